@@ -1,0 +1,34 @@
+# Recall: `make run` starts it on the embedded SQLite default; `make test` runs the
+# tests (PostgreSQL at TEST_DATABASE_URL, then SQLite). See README.md.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test lint format clean
+
+$(VENV)/.runtime: requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	@touch $@
+
+$(VENV)/.dev: requirements.txt requirements-dev.txt $(VENV)/.runtime
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
+	@touch $@
+
+run: $(VENV)/.runtime
+	@scripts/run.sh
+
+test: $(VENV)/.dev
+	@scripts/test.sh $(PYTEST_ARGS)
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.dev
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) var

@@ -1,0 +1,359 @@
+"""Batch intake: parse a manifest, validate all of it, then create everything.
+
+A manifest is either plain text (one source per line; blank lines and lines
+starting with ``#`` are skipped) or CSV whose header has a ``source`` column.
+In CSV, an optional ``duration_seconds`` column is kept for the ETA and every
+other column goes into the item's ``params``.
+
+Nothing is created unless the whole manifest is valid: the file is read twice,
+once to collect every error (with its line number) and once, inside a single
+transaction, to insert the batch, its items, their jobs and the counters.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from jobs.models import Job
+
+from .models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem
+
+MAX_SOURCE_CHARS = 4096
+MAX_PARAM_CHARS = 10_000
+MAX_NAME_CHARS = 200
+MAX_DURATION_SECONDS = 10_000_000  # about 115 days: anything longer is a typo
+MAX_REPORTED_ERRORS = 100
+INSERT_CHUNK = 2_000
+
+
+@dataclass(frozen=True)
+class Entry:
+    line: int
+    source: str
+    params: dict
+    duration_ms: int | None
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}" if self.line else self.message
+
+
+@dataclass
+class ManifestInvalid(Exception):
+    errors: list[LineError]
+    total_errors: int = 0
+    items: int = 0
+
+    def __post_init__(self) -> None:
+        self.total_errors = self.total_errors or len(self.errors)
+
+    def __str__(self) -> str:
+        lines = [str(e) for e in self.errors]
+        if self.total_errors > len(self.errors):
+            lines.append(f"… and {self.total_errors - len(self.errors)} more errors")
+        return "\n".join(lines)
+
+
+def parse_manifest(lines: Iterable[bytes | str]) -> Iterator[Entry | LineError]:
+    """Yield one Entry per source, or a LineError per problem, in file order."""
+    text = _decoded(lines)
+    skipped: list[tuple[int, str | LineError]] = []
+    for number, line in text:
+        if isinstance(line, str) and (
+            not line.strip() or line.lstrip().startswith("#")
+        ):
+            skipped.append((number, line))
+            continue
+        if isinstance(line, str) and "source" in (
+            c.strip().lower() for c in _csv_row(line)
+        ):
+            yield from _parse_csv(number, chain([line], (line for _, line in text)))
+        else:
+            yield from _parse_lines(chain(skipped, [(number, line)], text))
+        return
+    yield from _parse_lines(skipped)
+
+
+def _decoded(lines: Iterable[bytes | str]) -> Iterator[tuple[int, str | LineError]]:
+    for number, raw in enumerate(lines, 1):
+        if isinstance(raw, bytes):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield number, LineError(number, "not valid UTF-8 text")
+                continue
+        elif number == 1:
+            raw = raw.removeprefix("\ufeff")
+        yield number, raw
+
+
+def _csv_row(line: str) -> list[str]:
+    try:
+        return next(csv.reader([line]), [])
+    except csv.Error:
+        return []
+
+
+def _parse_lines(
+    lines: Iterable[tuple[int, str | LineError]],
+) -> Iterator[Entry | LineError]:
+    for number, line in lines:
+        if isinstance(line, LineError):
+            yield line
+            continue
+        source = line.strip()
+        if not source or source.startswith("#"):
+            continue
+        problem = _source_problem(source)
+        yield LineError(number, problem) if problem else Entry(number, source, {}, None)
+
+
+def _parse_csv(
+    header_line: int, lines: Iterable[str | LineError]
+) -> Iterator[Entry | LineError]:
+    """Parse CSV from the header line on (file line = header_line + csv line - 1)."""
+    pending: list[LineError] = []
+
+    def physical() -> Iterator[str]:
+        for line in lines:
+            if isinstance(line, LineError):
+                pending.append(line)
+                yield ""
+            else:
+                yield line
+
+    reader = csv.reader(physical())
+    header = [cell.strip() for cell in next(reader)]
+    lowered = [h.lower() for h in header]
+    duplicates = sorted({h for h in lowered if lowered.count(h) > 1})
+    if duplicates:
+        yield LineError(
+            header_line, f"duplicate column(s) in the header: {', '.join(duplicates)}"
+        )
+        return
+    if "" in lowered:
+        yield LineError(header_line, "a column in the header has no name")
+        return
+    source_at = lowered.index("source")
+    duration_at = (
+        lowered.index("duration_seconds") if "duration_seconds" in lowered else None
+    )
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as error:
+            yield from _drain(pending)
+            yield LineError(
+                header_line + reader.line_num - 1, f"malformed CSV: {error}"
+            )
+            return
+        yield from _drain(pending)
+        number = header_line + reader.line_num - 1
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(header):
+            yield LineError(number, f"expected {len(header)} columns, found {len(row)}")
+            continue
+        yield _csv_entry(number, header, row, source_at, duration_at)
+
+
+def _csv_entry(
+    number: int,
+    header: list[str],
+    row: list[str],
+    source_at: int,
+    duration_at: int | None,
+) -> Entry | LineError:
+    source = row[source_at].strip()
+    if problem := _source_problem(source):
+        return LineError(number, problem)
+    duration_ms = None
+    if duration_at is not None and row[duration_at].strip():
+        duration_ms, problem = _duration(row[duration_at])
+        if problem:
+            return LineError(number, problem)
+    params = {}
+    for at, name in enumerate(header):
+        value = row[at].strip()
+        if at in (source_at, duration_at) or not value:
+            continue
+        if "\x00" in value or len(value) > MAX_PARAM_CHARS:
+            return LineError(
+                number,
+                f"column {name!r} has a NUL character or more than "
+                f"{MAX_PARAM_CHARS} characters",
+            )
+        params[name] = value
+    return Entry(number, source, params, duration_ms)
+
+
+def _drain(errors: list[LineError]) -> Iterator[LineError]:
+    while errors:
+        yield errors.pop(0)
+
+
+def _source_problem(source: str) -> str | None:
+    if not source:
+        return "the source is empty"
+    if len(source) > MAX_SOURCE_CHARS:
+        return f"the source is longer than {MAX_SOURCE_CHARS} characters"
+    if any(ord(c) < 32 or ord(c) == 127 for c in source):
+        return "the source contains a control character"
+    return None
+
+
+def _duration(text: str) -> tuple[int | None, str | None]:
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None, f"duration_seconds {text.strip()!r} is not a number"
+    if not math.isfinite(seconds) or seconds < 0:
+        return (
+            None,
+            f"duration_seconds {text.strip()!r} must be a number of seconds, 0 or more",
+        )
+    if seconds > MAX_DURATION_SECONDS:
+        return (
+            None,
+            f"duration_seconds {text.strip()!r} is more than {MAX_DURATION_SECONDS}",
+        )
+    return round(seconds * 1000), None
+
+
+def validate_manifest(lines: Iterable[bytes | str]) -> tuple[int, list[LineError], int]:
+    """Count the entries and collect the first errors: (items, errors, total errors)."""
+    items, errors, total = 0, [], 0
+    limit = settings.RECALL_MAX_MANIFEST_ITEMS
+    for parsed in parse_manifest(lines):
+        if isinstance(parsed, LineError):
+            total += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append(parsed)
+        else:
+            items += 1
+    if items > limit:
+        total += 1
+        errors.insert(
+            0, LineError(0, f"the manifest has {items} items; the limit is {limit}")
+        )
+    if items == 0 and not total:
+        total += 1
+        errors.append(LineError(0, "the manifest has no sources"))
+    return items, errors, total
+
+
+def check_name(name: str) -> str:
+    name = name.strip()
+    if not name:
+        raise ManifestInvalid([LineError(0, "the batch needs a name")])
+    if len(name) > MAX_NAME_CHARS or any(ord(c) < 32 for c in name):
+        raise ManifestInvalid(
+            [
+                LineError(
+                    0, f"the name must be at most {MAX_NAME_CHARS} printable characters"
+                )
+            ]
+        )
+    return name
+
+
+def create_batch(
+    name: str,
+    open_manifest: Callable[[], Iterable[bytes | str]],
+    *,
+    priority: int = 0,
+    created_by=None,
+    now=None,
+) -> Batch:
+    """Validate the manifest, then create the batch, items, jobs and counters.
+
+    ``open_manifest`` returns a fresh iterable of the manifest's lines each time
+    it is called (the manifest is read twice). Raises ManifestInvalid, having
+    created nothing, if any line is wrong.
+    """
+    name = check_name(name)
+    now = now or timezone.now()
+    items, errors, total_errors = validate_manifest(open_manifest())
+    if errors:
+        raise ManifestInvalid(errors, total_errors, items)
+    max_attempts = settings.RECALL_MAX_ATTEMPTS
+    shard_items = [0] * COUNTER_SHARDS
+    shard_ms = [0] * COUNTER_SHARDS
+    total, total_ms, with_duration = 0, 0, 0
+    with transaction.atomic():
+        batch = Batch.objects.create(
+            name=name, priority=priority, created_by=created_by, created_at=now
+        )
+        entries = parse_manifest(open_manifest())
+        while chunk := list(islice(entries, INSERT_CHUNK)):
+            if any(isinstance(e, LineError) for e in chunk):
+                raise ManifestInvalid(
+                    [e for e in chunk if isinstance(e, LineError)][:1]
+                )
+            created = BatchItem.objects.bulk_create(
+                BatchItem(
+                    batch=batch,
+                    source=e.source,
+                    params=e.params,
+                    duration_ms=e.duration_ms,
+                    created_at=now,
+                    updated_at=now,
+                )
+                for e in chunk
+            )
+            Job.objects.bulk_create(
+                Job(
+                    item=item,
+                    batch=batch,
+                    max_attempts=max_attempts,
+                    available_at=now,
+                    created_at=now,
+                    updated_at=now,
+                )
+                for item in created
+            )
+            for item in created:
+                shard = item.pk % COUNTER_SHARDS
+                shard_items[shard] += 1
+                shard_ms[shard] += item.duration_ms or 0
+                total_ms += item.duration_ms or 0
+                with_duration += item.duration_ms is not None
+            total += len(created)
+        BatchCounter.objects.bulk_create(
+            BatchCounter(
+                batch=batch, shard=s, queued=shard_items[s], queued_ms=shard_ms[s]
+            )
+            for s in range(COUNTER_SHARDS)
+        )
+        batch.total, batch.total_ms = total, total_ms
+        batch.durations_known = total > 0 and with_duration == total
+        batch.save(update_fields=["total", "total_ms", "durations_known"])
+    return batch
+
+
+def file_lines(path: str) -> Callable[[], Iterator[bytes]]:
+    """``open_manifest`` for a file on disk."""
+
+    def lines() -> Iterator[bytes]:
+        with open(path, "rb") as f:
+            yield from f
+
+    return lines

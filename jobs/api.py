@@ -1,0 +1,317 @@
+"""Worker JSON API v1 (paths and shapes are a contract: workers depend on them).
+
+Every endpoint is POST, authenticated by ``Authorization: Bearer <worker token>``
+(never by session cookie, so CSRF does not apply), and answers JSON. Every error
+is ``{"error": <code>, "detail": <sentence>}``; bad input is a 4xx, never a 500.
+Views only parse and validate; the transitions live on ``jobs.models.Job``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
+from django.db import InterfaceError, OperationalError
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from .exceptions import LeaseLost
+from .models import Job, Worker, heartbeat_interval
+
+log = logging.getLogger("recall.api")
+
+MAX_DB_ID = 2**63 - 1
+MAX_TOKEN_LENGTH = 256
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, code: str, detail: str, headers: dict | None = None
+    ):
+        super().__init__(detail)
+        self.status, self.code, self.detail, self.headers = (
+            status,
+            code,
+            detail,
+            headers or {},
+        )
+
+    def response(self) -> JsonResponse:
+        return error_response(self.status, self.code, self.detail, self.headers)
+
+
+def error_response(
+    status: int, code: str, detail: str, headers: dict | None = None
+) -> JsonResponse:
+    response = JsonResponse({"error": code, "detail": detail}, status=status)
+    for name, value in (headers or {}).items():
+        response[name] = value
+    return response
+
+
+def bad_request(detail: str) -> ApiError:
+    return ApiError(400, "bad_request", detail)
+
+
+def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """POST only, worker token auth, JSON object body; domain errors to JSON."""
+
+    @csrf_exempt
+    @wraps(view)
+    def wrapper(request: HttpRequest, **kwargs: Any) -> HttpResponse:
+        try:
+            if request.method != "POST":
+                raise ApiError(
+                    405,
+                    "method_not_allowed",
+                    f"{request.method} is not allowed here; use POST.",
+                    {"Allow": "POST"},
+                )
+            worker = authenticate(request)
+            body = json_object_body(request)
+            now = timezone.now()
+            worker.touch(now)
+            return view(request, worker, body, now=now, **kwargs)
+        except ApiError as error:
+            return error.response()
+        except LeaseLost as error:
+            return error_response(409, "lease_lost", str(error))
+        except (OperationalError, InterfaceError):
+            log.exception("database unavailable")
+            return error_response(
+                503, "unavailable", "The database is unavailable; retry with backoff."
+            )
+
+    return wrapper
+
+
+def authenticate(request: HttpRequest) -> Worker:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise ApiError(
+            401,
+            "unauthorized",
+            "Send the worker token as 'Authorization: Bearer <token>'.",
+            {"WWW-Authenticate": 'Bearer realm="recall"'},
+        )
+    worker = Worker.objects.authenticate(token)
+    if worker is None:
+        raise ApiError(
+            401,
+            "unauthorized",
+            "Unknown worker token.",
+            {"WWW-Authenticate": 'Bearer realm="recall", error="invalid_token"'},
+        )
+    if not worker.is_active:
+        raise ApiError(403, "forbidden", f"Worker {worker.name!r} is disabled.")
+    return worker
+
+
+def json_object_body(request: HttpRequest) -> dict:
+    """The body as a JSON object ({} when empty), free of NUL and lone surrogates."""
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raise ApiError(
+            413,
+            "payload_too_large",
+            f"The body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes.",
+        ) from None
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise bad_request("The body is not valid UTF-8.") from None
+    except RecursionError:
+        raise bad_request("The body is nested too deeply.") from None
+    except ValueError as error:
+        raise bad_request(f"The body is not valid JSON: {error}.") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The body must be a JSON object, not {_json_type(data)}.")
+    _check_strings(data)
+    return data
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_strings(data: Any) -> None:
+    """Refuse NUL characters and unpaired surrogates anywhere in the document:
+    the database cannot store them."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            if "\x00" in value:
+                raise bad_request("Strings must not contain NUL (\\u0000) characters.")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(
+                    "Strings must not contain unpaired surrogates."
+                ) from None
+
+
+def _json_type(value: Any) -> str:
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
+
+
+def _field(
+    body: dict, name: str, kind: type, *, required: bool = True, default: Any = None
+):
+    if name not in body:
+        if required:
+            raise bad_request(f"Missing field {name!r}.")
+        return default
+    value = body[name]
+    # bool is an int in Python: never accept one for the other.
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        expected = {str: "a string", bool: "a boolean", dict: "an object"}[kind]
+        raise bad_request(
+            f"Field {name!r} must be {expected}, not {_json_type(value)}."
+        )
+    return value
+
+
+def _lease_token(body: dict) -> str:
+    token = _field(body, "lease_token", str)
+    if not token or len(token) > MAX_TOKEN_LENGTH:
+        raise bad_request(
+            f"Field 'lease_token' must be 1 to {MAX_TOKEN_LENGTH} characters."
+        )
+    return token
+
+
+def _result(body: dict) -> dict:
+    result = _field(body, "result", dict)
+    if not isinstance(result.get("text"), str):
+        raise bad_request("Field 'result' must have a string 'text'.")
+    if "language" in result and not isinstance(result["language"], str):
+        raise bad_request("Field 'result.language' must be a string.")
+    if "segments" in result:
+        segments = result["segments"]
+        if not isinstance(segments, list):
+            raise bad_request("Field 'result.segments' must be an array.")
+        for n, segment in enumerate(segments):
+            if not (
+                isinstance(segment, dict)
+                and _is_number(segment.get("start"))
+                and _is_number(segment.get("end"))
+                and isinstance(segment.get("text"), str)
+                and 0 <= segment["start"] <= segment["end"]
+            ):
+                raise bad_request(
+                    f"result.segments[{n}] must be an object with numbers "
+                    f"0 <= 'start' <= 'end' (seconds) and a string 'text'."
+                )
+    return result
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _job(job_id: int) -> Job:
+    job = (
+        Job.objects.filter(pk=job_id).only("pk").first()
+        if job_id <= MAX_DB_ID
+        else None
+    )
+    if job is None:
+        raise ApiError(404, "not_found", f"There is no job {job_id}.")
+    return job
+
+
+# --- Endpoints ---------------------------------------------------------------------
+
+
+@worker_endpoint
+def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpResponse:
+    job = Job.objects.claim_next(worker, now=now)
+    if job is None:
+        return HttpResponse(status=204)
+    return JsonResponse(
+        {
+            "job": {
+                "id": job.pk,
+                "lease_token": job.lease_token,
+                "lease_expires_at": job.lease_expires_at.isoformat(),
+                "lease_seconds": settings.RECALL_LEASE_SECONDS,
+                "heartbeat_interval": heartbeat_interval(),
+                "attempt": job.attempts,
+                "max_attempts": job.max_attempts,
+                "batch": {"id": job.batch.pk, "name": job.batch.name},
+                "item": {
+                    "id": job.item.pk,
+                    "source": job.item.source,
+                    "params": job.item.params,
+                },
+            }
+        }
+    )
+
+
+@worker_endpoint
+def heartbeat(
+    request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
+) -> HttpResponse:
+    token = _lease_token(body)
+    expires = _job(job_id).heartbeat(token, worker=worker, now=now)
+    return JsonResponse({"lease_expires_at": expires.isoformat()})
+
+
+@worker_endpoint
+def complete(
+    request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
+) -> HttpResponse:
+    token, result = _lease_token(body), _result(body)
+    _job(job_id).complete(token, worker=worker, result=result, now=now)
+    return JsonResponse({"status": "completed"})
+
+
+@worker_endpoint
+def fail(
+    request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
+) -> HttpResponse:
+    token = _lease_token(body)
+    error = _field(body, "error", str)
+    retryable = _field(body, "retryable", bool, required=False, default=True)
+    status = _job(job_id).fail(
+        token, worker=worker, error=error, retryable=retryable, now=now
+    )
+    return JsonResponse({"status": status})
+
+
+@worker_endpoint
+def release(
+    request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
+) -> HttpResponse:
+    token = _lease_token(body)
+    _job(job_id).release(token, worker=worker, now=now)
+    return JsonResponse({"status": "queued"})
+
+
+def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
+    return error_response(404, "not_found", f"No API endpoint at {request.path}.")

@@ -1,0 +1,12 @@
+"""Domain errors raised by the transitions; the worker API maps them to JSON."""
+
+from __future__ import annotations
+
+
+class LeaseLost(Exception):
+    """The caller does not hold a live lease on the job (stale, wrong or reclaimed
+    token, or a job leased to another worker). Nothing was changed."""
+
+
+class InvalidTransition(Exception):
+    """The job is not in a state that allows the requested change."""

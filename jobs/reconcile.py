@@ -1,0 +1,215 @@
+"""Reconciliation: compare the records with reality and heal the difference.
+
+Every transition is atomic, so a crash inside one leaves nothing half-written.
+What atomicity cannot cover is work split over several transactions (a bulk
+cancel interrupted part-way), rows changed behind Recall's back (a manual SQL
+edit, a restored backup, an older release), and bugs. This module finds such
+mismatches and heals each one in a short transaction of its own, through the
+repair methods on ``Job``; every repair is logged (``Event`` row and WARNING).
+
+It runs:
+
+* on every claim: ``reconcile_on_claim`` (index lookups only; the claim itself
+  heals the rows it touches and reclaims expired leases first);
+* in every sweep: ``reconcile`` over the live rows (leases, in-flight items,
+  open ledger rows) plus a bounded slice of a rotating scan of all jobs;
+* at start-up and on demand (``recall_sweep --full``): everything, including a
+  recount of every batch's progress counters.
+
+The job row is the authority: repairs bring items, ledger rows, counters and
+batch flags in line with it, and never change a job's status, except to finish
+what an operator already asked for (an interrupted cancel) or to fail a queued
+job that has no attempts left and so could never run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+
+from django.db.models import Exists, F, Max, OuterRef, Q
+
+from batches.models import Batch, BatchCounter, ItemStatus
+
+from .models import Event, Job, JobStatus, Lease, SweepState, agreeing_item_status
+
+log = logging.getLogger("recall.reconcile")
+
+# Rows of the jobs table one query of the rotating scan covers.
+SCAN_WINDOW = 5_000
+# An operator's cancel normally finishes within its own request; one whose batch
+# still has unfinished jobs after this long was interrupted.
+CANCEL_GRACE = timedelta(seconds=30)
+
+
+@dataclass
+class ReconcileReport:
+    items_healed: int = 0
+    leases_closed: int = 0
+    leases_restored: int = 0
+    exhausted_failed: int = 0
+    cancels_finished: int = 0
+    batches_reopened: int = 0
+    counters_fixed: int = 0
+    jobs_scanned: int = 0  # job ids covered by the rotating scan
+
+    @property
+    def repairs(self) -> int:
+        return sum(v for k, v in asdict(self).items() if k != "jobs_scanned")
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def reconcile_on_claim(*, now: datetime) -> ReconcileReport:
+    """The claim's share: finish one chunk of an interrupted batch cancel.
+
+    One probe of a partial index that is empty unless a cancel is unfinished.
+    """
+    report = ReconcileReport()
+    batch_id = (
+        Batch.objects.filter(
+            cancelled_at__isnull=False,
+            finished_at__isnull=True,
+            cancelled_at__lt=now - CANCEL_GRACE,
+        )
+        .values_list("pk", flat=True)
+        .first()
+    )
+    if batch_id is not None:
+        report.cancels_finished = _finish_cancel(batch_id, now=now, chunks=1)
+    return report
+
+
+def reconcile(
+    *, now: datetime, scan_budget: int | None = None, recount: bool = False
+) -> ReconcileReport:
+    """Heal every mismatch this pass can see; return what was healed.
+
+    ``scan_budget`` bounds the rotating scan of the whole jobs table to that many
+    job ids, continuing from where the previous pass stopped (None: scan all).
+    ``recount`` also recounts every batch's progress counters (slow on big
+    batches: start-up and on demand only).
+    """
+    report = ReconcileReport()
+    _heal_live_rows(report, now=now)
+    for batch_id in Batch.objects.filter(
+        cancelled_at__isnull=False, finished_at__isnull=True
+    ).values_list("pk", flat=True):
+        report.cancels_finished += _finish_cancel(batch_id, now=now)
+    _scan_jobs(report, now=now, budget=scan_budget)
+    if recount:
+        for batch_id in Batch.objects.values_list("pk", flat=True).iterator():
+            if BatchCounter.objects.recount(batch_id):
+                report.counters_fixed += 1
+                Event.repair(
+                    None,
+                    "Progress counters differed from a recount of the items; fixed.",
+                    batch_id=batch_id,
+                )
+    if report.repairs:
+        log.warning("reconcile healed: %s", report.as_dict())
+    return report
+
+
+def _heal_live_rows(report: ReconcileReport, *, now: datetime) -> None:
+    """Leased jobs, transcribing items and open ledger rows: all of them."""
+    leased = Job.objects.filter(status=JobStatus.LEASED)
+    disagreeing = list(
+        leased.exclude(item__status=ItemStatus.TRANSCRIBING).values_list(
+            "pk", flat=True
+        )
+    ) + list(
+        Job.objects.filter(item__status=ItemStatus.TRANSCRIBING)
+        .exclude(status=JobStatus.LEASED)
+        .values_list("pk", flat=True)
+    )
+    for job_id in disagreeing:
+        report.items_healed += Job(pk=job_id).heal_item(now=now)
+
+    stray = (
+        Lease.objects.filter(ended_at__isnull=True)
+        .exclude(job__status=JobStatus.LEASED, job__lease_token=F("token"))
+        .values_list("job_id", flat=True)
+        .distinct()
+    )
+    for job_id in list(stray):
+        report.leases_closed += Job(pk=job_id).close_stray_leases(now=now)
+
+    unrecorded = leased.exclude(
+        Exists(
+            Lease.objects.filter(token=OuterRef("lease_token"), ended_at__isnull=True)
+        )
+    ).values_list("pk", flat=True)
+    for job_id in list(unrecorded):
+        report.leases_restored += Job(pk=job_id).restore_lease_row(now=now)
+
+
+def _finish_cancel(batch_id: int, *, now: datetime, chunks: int | None = None) -> int:
+    """Cancel what a cancelled batch still has queued or in flight."""
+    total = 0
+    while chunks is None or chunks > 0:
+        n = Job.objects.cancel_batch_chunk(batch_id, now=now)
+        total += n
+        if chunks is not None:
+            chunks -= 1
+        if n == 0:
+            break
+    if total:
+        log.warning(
+            "repair: finished an interrupted cancel of batch %s: %d jobs",
+            batch_id,
+            total,
+        )
+    Batch.objects.filter(pk=batch_id).settle(now=now)
+    return total
+
+
+def _scan_jobs(report: ReconcileReport, *, now: datetime, budget: int | None) -> None:
+    """Check every job against its item and batch, a window of ids at a time.
+
+    With a budget, the scan resumes where the last pass stopped and wraps around,
+    so each sweep stays bounded and every job is still checked every few sweeps.
+    """
+    top = Job.objects.aggregate(top=Max("pk"))["top"] or 0
+    cursor = SweepState.get().scan_cursor if budget is not None else 0
+    if cursor >= top:
+        cursor = 0
+    covered = 0
+    while cursor < top and (budget is None or covered < budget):
+        hi = cursor + SCAN_WINDOW
+        suspects = (
+            Job.objects.filter(pk__gt=cursor, pk__lte=hi)
+            .filter(
+                ~agreeing_item_status()
+                | Q(status=JobStatus.QUEUED, attempts__gte=F("max_attempts"))
+                | Q(
+                    status__in=[JobStatus.QUEUED, JobStatus.LEASED],
+                    batch__finished_at__isnull=False,
+                )
+            )
+            .values_list("pk", "batch_id")
+        )
+        for job_id, batch_id in list(suspects):
+            job = Job(pk=job_id)
+            report.items_healed += job.heal_item(now=now)
+            report.exhausted_failed += job.fail_exhausted(now=now)
+            unfinished = Job.objects.filter(
+                pk=job_id, status__in=[JobStatus.QUEUED, JobStatus.LEASED]
+            )
+            if unfinished.exists() and Batch.objects.filter(
+                pk=batch_id, finished_at__isnull=False
+            ).update(finished_at=None):
+                report.batches_reopened += 1
+                Event.repair(
+                    job,
+                    "The batch was marked finished but this job was not; reopened it.",
+                )
+        report.jobs_scanned += min(hi, top) - cursor
+        cursor = hi
+        covered += SCAN_WINDOW
+    if budget is not None:
+        SweepState.objects.filter(pk=SweepState.SINGLETON).update(
+            scan_cursor=0 if cursor >= top else cursor
+        )

@@ -1,0 +1,217 @@
+"""Recall's settings: everything deployment-specific comes from the environment.
+
+Every variable is documented in the README ("Configuration"). The defaults give a
+one-machine set-up on an embedded SQLite file; production sets DATABASE_URL to
+PostgreSQL, SECRET_KEY and ALLOWED_HOSTS.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+if (BASE_DIR / ".env").is_file():
+    environ.Env.read_env(BASE_DIR / ".env")
+
+# Runtime files of the embedded set-up: SQLite database, collected static files.
+VAR_DIR = Path(env.str("RECALL_VAR_DIR", default=str(BASE_DIR / "var")))
+
+DEBUG = env.bool("DEBUG", default=False)
+
+SECRET_KEY = env.str("SECRET_KEY", default="")
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "Set SECRET_KEY in the environment (or DEBUG=on for a throwaway "
+            "development key). `make run` generates one under var/."
+        )
+    SECRET_KEY = "django-insecure-recall-development-only"
+
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "django_q",
+    "batches",
+    "jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "recall_site.urls"
+WSGI_APPLICATION = "recall_site.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -----------------------------------------------------------------
+# The embedded default is a SQLite file in WAL mode. Every transaction starts with
+# BEGIN IMMEDIATE, so writers are serialised by SQLite's own lock and Recall's
+# compare-and-set transitions stay correct with several processes (gunicorn
+# workers plus the django-q2 cluster). select_for_update() is a no-op there.
+DEFAULT_SQLITE_URL = f"sqlite:///{VAR_DIR / 'recall.sqlite3'}"
+DATABASES = {"default": env.db_url("DATABASE_URL", default=DEFAULT_SQLITE_URL)}
+DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=60)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "transaction_mode": "IMMEDIATE",
+            "timeout": env.int("SQLITE_BUSY_TIMEOUT", default=20),
+            "init_command": (
+                "PRAGMA journal_mode=WAL;PRAGMA synchronous=NORMAL;"
+                "PRAGMA foreign_keys=ON"
+            ),
+        }
+    )
+    DATABASES["default"]["TEST"] = {
+        "NAME": env.str("SQLITE_TEST_NAME", default=str(VAR_DIR / "test.sqlite3"))
+    }
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": f"django.contrib.auth.password_validation.{name}"}
+    for name in (
+        "UserAttributeSimilarityValidator",
+        "MinimumLengthValidator",
+        "CommonPasswordValidator",
+        "NumericPasswordValidator",
+    )
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = env.str("TIME_ZONE", default="UTC")
+USE_I18N = True
+USE_TZ = True
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "login"
+
+# --- Static files (whitenoise, hashed names) ----------------------------------
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    },
+}
+
+# --- Request size -------------------------------------------------------------
+# The worker API reads bodies through request.body, so this is its size limit
+# (413 payload_too_large above it). It must hold a long transcript with timed
+# segments.
+DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("RECALL_MAX_BODY_BYTES", default=10 * 1024 * 1024)
+
+# --- HTTPS and security headers -----------------------------------------------
+# On by default outside DEBUG, so `manage.py check --deploy` is clean. `make run`
+# turns it off because it serves plain HTTP on localhost.
+RECALL_HTTPS = env.bool("RECALL_HTTPS", default=not DEBUG)
+SECURE_SSL_REDIRECT = RECALL_HTTPS
+SESSION_COOKIE_SECURE = RECALL_HTTPS
+CSRF_COOKIE_SECURE = RECALL_HTTPS
+SECURE_HSTS_SECONDS = env.int(
+    "SECURE_HSTS_SECONDS", default=31536000 if RECALL_HTTPS else 0
+)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = RECALL_HTTPS
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+if env.bool("RECALL_BEHIND_PROXY", default=False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+
+# --- Recall -------------------------------------------------------------------
+RECALL_LEASE_SECONDS = env.int("RECALL_LEASE_SECONDS", default=60)
+RECALL_MAX_ATTEMPTS = env.int("RECALL_MAX_ATTEMPTS", default=3)
+RECALL_RETRY_BACKOFF_SECONDS = env.int("RECALL_RETRY_BACKOFF_SECONDS", default=30)
+# Longest retry delay, whatever the attempt number.
+RECALL_RETRY_BACKOFF_MAX_SECONDS = env.int(
+    "RECALL_RETRY_BACKOFF_MAX_SECONDS", default=3600
+)
+# How many expired leases one claim reclaims before it looks for work.
+RECALL_RECLAIM_ON_CLAIM = env.int("RECALL_RECLAIM_ON_CLAIM", default=100)
+# Rows per transaction in the sweep and in bulk operations: keeps locks short.
+RECALL_CHUNK_SIZE = env.int("RECALL_CHUNK_SIZE", default=500)
+# Jobs the sweep's rotating consistency scan checks per pass (0: the whole table).
+RECALL_RECONCILE_SCAN_PER_SWEEP = env.int(
+    "RECALL_RECONCILE_SCAN_PER_SWEEP", default=200_000
+)
+# Largest manifest accepted (items).
+RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
+
+for _name in ("RECALL_LEASE_SECONDS", "RECALL_MAX_ATTEMPTS", "RECALL_CHUNK_SIZE"):
+    if globals()[_name] < 1:
+        raise ImproperlyConfigured(f"{_name} must be at least 1.")
+if RECALL_RETRY_BACKOFF_SECONDS < 0:
+    raise ImproperlyConfigured("RECALL_RETRY_BACKOFF_SECONDS must not be negative.")
+
+# --- django-q2 (the scheduled sweeper) ----------------------------------------
+# The ORM broker on Recall's own database is the default; set RECALL_Q_REDIS_URL to
+# use Redis instead. catch_up is off: a missed sweep is not worth replaying.
+Q_CLUSTER = {
+    "name": "recall",
+    "workers": env.int("RECALL_Q_WORKERS", default=1),
+    "timeout": 240,
+    "retry": 300,
+    "max_attempts": 1,
+    "catch_up": False,
+    "save_limit": 100,
+    "ack_failures": True,
+    "poll": 1,
+}
+if _redis_url := env.str("RECALL_Q_REDIS_URL", default=""):
+    Q_CLUSTER["redis"] = _redis_url
+else:
+    Q_CLUSTER["orm"] = "default"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+    },
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,64 @@
+"""Fixtures. Tests run against a real database: PostgreSQL (DATABASE_URL=
+postgres://...) or the embedded SQLite.
+
+Tests marked ``postgres`` need PostgreSQL: elsewhere they are skipped, unless
+RECALL_REQUIRE_POSTGRES=1, which makes a non-PostgreSQL run an error instead (CI
+sets it, so a missing server cannot pass silently).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+
+import pytest
+
+from batches.models import Batch
+from jobs.models import Worker
+
+from .factories import T0, WorkerClient, is_postgres, make_batch, make_worker
+
+
+def pytest_collection_modifyitems(config, items):
+    if is_postgres():
+        return
+    needs_pg = [item for item in items if item.get_closest_marker("postgres")]
+    if needs_pg and os.environ.get("RECALL_REQUIRE_POSTGRES") == "1":
+        raise pytest.UsageError(
+            "RECALL_REQUIRE_POSTGRES=1 but DATABASE_URL is not PostgreSQL: "
+            f"{len(needs_pg)} PostgreSQL-only tests would not run."
+        )
+    skip = pytest.mark.skip(reason="needs PostgreSQL (set DATABASE_URL=postgres://...)")
+    for item in needs_pg:
+        item.add_marker(skip)
+
+
+@pytest.fixture
+def now() -> datetime:
+    """A fixed 'now': tests pass time explicitly instead of sleeping."""
+    return T0
+
+
+@pytest.fixture
+def worker(db) -> Worker:
+    return make_worker("gpu-1")
+
+
+@pytest.fixture
+def other_worker(db) -> Worker:
+    return make_worker("gpu-2")
+
+
+@pytest.fixture
+def batch(db) -> Batch:
+    return make_batch(3)
+
+
+@pytest.fixture
+def api(worker) -> WorkerClient:
+    return WorkerClient(worker)
+
+
+@pytest.fixture
+def other_api(other_worker) -> WorkerClient:
+    return WorkerClient(other_worker)
