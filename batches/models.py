@@ -105,6 +105,9 @@ class Batch(models.Model):
     paused_at = models.DateTimeField(null=True, blank=True)
     cancelled_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # Set when a repair found an item in an unexpected status: the counters may be
+    # off by that item until the next sweep recounts the batch.
+    recount_requested_at = models.DateTimeField(null=True, blank=True)
 
     objects = BatchQuerySet.as_manager()
 
@@ -126,6 +129,11 @@ class Batch(models.Model):
                 fields=["id"],
                 name="batch_unfinished_cancel",
                 condition=Q(cancelled_at__isnull=False, finished_at__isnull=True),
+            ),
+            models.Index(
+                fields=["id"],
+                name="batch_recount_requested",
+                condition=Q(recount_requested_at__isnull=False),
             ),
         ]
 

@@ -888,7 +888,7 @@ class Job(models.Model):
         agree with it had drifted, and the repair is logged.
         """
         expected, new = item_status_for(was), item_status_for(to)
-        moves = []
+        moves, drifted = [], set()
         for job in jobs:
             item = job.item
             if item.status != expected:
@@ -896,11 +896,15 @@ class Job(models.Model):
                     job,
                     f"Item was {item.status} while its job was {was}; set to {new}.",
                 )
+                drifted.add(job.batch_id)
             moves.append(
                 ItemMove(item.pk, job.batch_id, item.status, new, item.duration_ms or 0)
             )
             item.status = new
         move_items(moves, now=now)
+        if drifted:
+            # Whatever changed the item may have bypassed the counters too.
+            Batch.objects.filter(pk__in=drifted).update(recount_requested_at=now)
 
 
 def _group_by(jobs: Iterable[Job], attribute: str) -> dict:

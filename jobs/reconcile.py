@@ -16,6 +16,10 @@ It runs:
 * at start-up and on demand (``recall_sweep --full``): everything, including a
   recount of every batch's progress counters.
 
+A repair that finds an item in an unexpected status cannot know whether the
+counters saw that change, so it asks for a recount of the batch
+(``recount_requested_at``), which the next sweep performs.
+
 The job row is the authority: repairs bring items, ledger rows, counters and
 batch flags in line with it, and never change a job's status, except to finish
 what an operator already asked for (an interrupted cancel) or to fail a queued
@@ -99,15 +103,22 @@ def reconcile(
     ).values_list("pk", flat=True):
         report.cancels_finished += _finish_cancel(batch_id, now=now)
     _scan_jobs(report, now=now, budget=scan_budget)
-    if recount:
-        for batch_id in Batch.objects.values_list("pk", flat=True).iterator():
-            if BatchCounter.objects.recount(batch_id):
-                report.counters_fixed += 1
-                Event.repair(
-                    None,
-                    "Progress counters differed from a recount of the items; fixed.",
-                    batch_id=batch_id,
-                )
+    batches = Batch.objects.all()
+    if not recount:
+        batches = batches.filter(recount_requested_at__isnull=False)
+    for batch_id, requested_at in batches.values_list("pk", "recount_requested_at"):
+        if BatchCounter.objects.recount(batch_id):
+            report.counters_fixed += 1
+            Event.repair(
+                None,
+                "Progress counters differed from a recount of the items; fixed.",
+                batch_id=batch_id,
+            )
+        if requested_at is not None:
+            # Unless another repair asked again meanwhile.
+            Batch.objects.filter(pk=batch_id, recount_requested_at=requested_at).update(
+                recount_requested_at=None
+            )
     if report.repairs:
         log.warning("reconcile healed: %s", report.as_dict())
     return report

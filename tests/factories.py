@@ -72,7 +72,7 @@ def snapshot(*jobs: Job) -> dict:
 
 
 @contextlib.contextmanager
-def failpoint(table: str, *, on: str = "UPDATE"):
+def failpoint(table: str, on: str = "UPDATE"):
     """Make every ``on`` (INSERT or UPDATE) of ``table`` fail inside the database.
 
     A real trigger raising a real database error: no mocks.
@@ -153,3 +153,16 @@ class WorkerClient:
 
 def _json(body) -> bytes:
     return json.dumps(body).encode()
+
+
+def assert_consistent(now: datetime = T0) -> None:
+    """Every invariant holds (the same checks as ``manage.py recall_check``)."""
+    from jobs.checks import find_violations
+
+    assert [str(v) for v in find_violations(now=now)] == []
+
+
+def claim(worker: Worker, now: datetime = T0) -> Job:
+    job = Job.objects.claim_next(worker, now=now)
+    assert job is not None, "expected a claimable job"
+    return job

@@ -1,0 +1,167 @@
+from datetime import timedelta
+
+import pytest
+
+from batches.models import Batch, BatchItem, ItemStatus
+from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
+
+from jobs.sweep import sweep
+
+from ..factories import T0, assert_consistent, claim, jobs_of, later, make_batch
+
+pytestmark = pytest.mark.django_db
+
+
+def test_claim_leases_the_oldest_job_and_moves_item_and_ledger(worker, batch):
+    first, second, third = jobs_of(batch)
+
+    job = claim(worker)
+
+    assert job.pk == first.pk
+    job.refresh_from_db()
+    assert job.status == JobStatus.LEASED
+    assert job.leased_by == worker
+    assert job.attempts == 1
+    assert job.lease_expires_at == T0 + timedelta(seconds=60)
+    assert job.heartbeat_at == T0
+    assert len(job.lease_token) >= 32
+    assert BatchItem.objects.get(pk=job.item_id).status == ItemStatus.TRANSCRIBING
+    lease = Lease.objects.get(job=job)
+    assert (lease.worker, lease.token, lease.attempt) == (worker, job.lease_token, 1)
+    assert (lease.claimed_at, lease.ended_at, lease.end_reason) == (T0, None, None)
+    assert batch.counts()["queued"] == 2
+    assert batch.counts()["transcribing"] == 1
+    assert_consistent()
+
+
+def test_each_claim_gets_a_different_job_with_a_fresh_token(worker, batch):
+    jobs = [claim(worker) for _ in range(3)]
+
+    assert [j.pk for j in jobs] == [j.pk for j in jobs_of(batch)]
+    assert len({j.lease_token for j in jobs}) == 3
+    assert Job.objects.claim_next(worker, now=T0) is None
+
+
+def test_nothing_to_claim_returns_none(worker, db):
+    assert Job.objects.claim_next(worker, now=T0) is None
+
+
+def test_higher_priority_batch_first_then_older_batch(worker, db):
+    old = make_batch(1, name="old")
+    new = make_batch(1, name="new")
+    urgent = make_batch(1, name="urgent", priority=5)
+
+    order = [claim(worker).batch_id for _ in range(3)]
+
+    assert order == [urgent.pk, old.pk, new.pk]
+
+
+def test_paused_batch_is_skipped_until_resumed(worker, db):
+    paused = make_batch(2, name="paused")
+    other = make_batch(1, name="other")
+    paused.pause(now=T0)
+
+    assert claim(worker).batch_id == other.pk
+    assert Job.objects.claim_next(worker, now=T0) is None
+
+    paused.resume()
+    assert claim(worker).batch_id == paused.pk
+
+
+def test_cancelled_batch_is_never_claimed(worker, db):
+    batch = make_batch(2)
+    Job.objects.cancel_batch(batch, now=T0)
+
+    assert Job.objects.claim_next(worker, now=T0) is None
+    assert batch.counts()["cancelled"] == 2
+
+
+def test_job_in_backoff_waits_until_available(worker, batch, settings):
+    settings.RECALL_LEASE_SECONDS = 1000
+    job = jobs_of(batch)[0]
+    Job.objects.filter(pk=job.pk).update(available_at=later(100))
+
+    assert [claim(worker).pk for _ in range(2)] == [j.pk for j in jobs_of(batch)[1:]]
+    assert Job.objects.claim_next(worker, now=later(99)) is None
+    assert Job.objects.claim_next(worker, now=later(100)).pk == job.pk
+
+
+def test_claim_reclaims_expired_leases_first(worker, other_worker, db):
+    batch = make_batch(1)
+    stale = claim(worker)
+
+    # Before expiry nothing is claimable; after it, the claim reclaims first.
+    assert Job.objects.claim_next(other_worker, now=later(60)) is None
+    again = claim(other_worker, now=later(61))
+
+    assert again.pk == stale.pk
+    assert again.attempts == 2
+    assert again.leased_by == other_worker
+    leases = list(Lease.objects.filter(job=again).order_by("pk"))
+    assert [(lease.worker, lease.end_reason) for lease in leases] == [
+        (worker, LeaseEnd.EXPIRED),
+        (other_worker, None),
+    ]
+    assert leases[0].ended_at == later(61)
+    assert batch.counts()["transcribing"] == 1
+    assert_consistent(later(61))
+
+
+def test_finished_batch_is_not_looked_at(worker, db):
+    batch = make_batch(1)
+    job = claim(worker)
+    job.complete(job.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    assert Batch.objects.settle(now=T0) == 1
+
+    assert Batch.objects.open().filter(pk=batch.pk).exists() is False
+    assert Job.objects.claim_next(worker, now=T0) is None
+
+
+def test_claim_heals_a_drifted_item_it_touches(worker, batch):
+    first = jobs_of(batch)[0]
+    # Drift behind Recall's back: the item says done, its job is queued.
+    BatchItem.objects.filter(pk=first.item_id).update(status=ItemStatus.DONE)
+
+    job = claim(worker)
+
+    assert job.pk == first.pk
+    assert BatchItem.objects.get(pk=job.item_id).status == ItemStatus.TRANSCRIBING
+    repair = Event.objects.repairs().get(job=job)
+    assert (
+        repair.message == "Item was done while its job was queued; set to transcribing."
+    )
+    # The raw edit bypassed the counters: the repair asks the sweep to recount.
+    batch.refresh_from_db()
+    assert batch.recount_requested_at == T0
+    sweep(now=T0)
+    assert batch.counts()["queued"] == 2
+    assert batch.counts()["transcribing"] == 1
+    assert batch.counts()["done"] == 0
+    batch.refresh_from_db()
+    assert batch.recount_requested_at is None
+    assert_consistent()
+
+
+def test_claim_closes_a_stray_open_ledger_row_and_succeeds(worker, batch):
+    first = jobs_of(batch)[0]
+    Lease.objects.create(
+        job=first, worker=worker, token="stray", attempt=1, claimed_at=T0
+    )
+
+    job = claim(worker, now=later(1))
+
+    assert job.pk == first.pk
+    stray = Lease.objects.get(token="stray")
+    assert (stray.end_reason, stray.ended_at) == (LeaseEnd.EXPIRED, later(1))
+    assert Lease.objects.get(job=job, ended_at__isnull=True).token == job.lease_token
+    assert Event.objects.repairs().filter(job=job).count() == 1
+
+
+def test_job_with_no_attempts_left_is_not_claimed(worker, batch):
+    first = jobs_of(batch)[0]
+    Job.objects.filter(pk=first.pk).update(attempts=3)
+
+    claimed = [claim(worker).pk for _ in range(2)]
+
+    assert first.pk not in claimed
+    assert Job.objects.claim_next(worker, now=T0) is None

@@ -1,0 +1,108 @@
+import pytest
+
+from batches.models import ItemStatus
+from jobs.exceptions import LeaseLost
+from jobs.models import Job, JobStatus, Lease, LeaseEnd
+
+from ..factories import T0, assert_consistent, claim, later, make_batch, snapshot
+
+pytestmark = pytest.mark.django_db
+
+RESULT = {
+    "text": "hello world",
+    "language": "en",
+    "segments": [{"start": 0.0, "end": 1.5, "text": "hello world"}],
+}
+
+
+def test_complete_finishes_job_item_and_ledger_together(worker, batch):
+    job = claim(worker)
+    token = job.lease_token
+
+    job.complete(token, worker=worker, result=RESULT, now=later(30))
+
+    job.refresh_from_db()
+    assert job.status == JobStatus.COMPLETED
+    assert job.result == RESULT
+    assert (job.lease_token, job.leased_by, job.lease_expires_at) == (None, None, None)
+    assert job.finished_at == later(30)
+    assert job.item.status == ItemStatus.DONE
+    lease = Lease.objects.get(token=token)
+    assert (lease.ended_at, lease.end_reason) == (later(30), LeaseEnd.COMPLETED)
+    assert batch.counts()["done"] == 1
+    assert batch.counts()["transcribing"] == 0
+    assert_consistent(later(30))
+
+
+def test_replaying_complete_with_the_same_token_succeeds_and_changes_nothing(
+    worker, batch
+):
+    job = claim(worker)
+    token = job.lease_token
+    job.complete(token, worker=worker, result=RESULT, now=later(30))
+    before = snapshot(job)
+
+    Job(pk=job.pk).complete(
+        token, worker=worker, result={"text": "other"}, now=later(40)
+    )
+
+    assert snapshot(job) == before
+    assert Job.objects.get(pk=job.pk).result == RESULT
+
+
+def test_complete_with_a_different_token_after_completion_is_refused(
+    worker, other_worker, batch
+):
+    job = claim(worker)
+    job.complete(job.lease_token, worker=worker, result=RESULT, now=later(30))
+    before = snapshot(job)
+
+    with pytest.raises(LeaseLost):
+        Job(pk=job.pk).complete("guess", worker=worker, result=RESULT, now=later(31))
+    with pytest.raises(LeaseLost):  # the right token, the wrong worker
+        Job(pk=job.pk).complete(
+            job.lease_token or "", worker=other_worker, result=RESULT, now=later(31)
+        )
+
+    assert snapshot(job) == before
+
+
+def test_a_stale_worker_cannot_complete_after_reclaim(worker, other_worker, db):
+    make_batch(1)
+    job = claim(worker)
+    stale_token = job.lease_token
+    Job.objects.reclaim_expired(now=later(61))
+    fresh = claim(other_worker, now=later(62))
+    before = snapshot(job)
+
+    with pytest.raises(LeaseLost):
+        Job(pk=job.pk).complete(
+            stale_token, worker=worker, result=RESULT, now=later(63)
+        )
+
+    assert snapshot(job) == before
+    fresh.complete(fresh.lease_token, worker=other_worker, result=RESULT, now=later(64))
+    assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
+    assert Lease.objects.filter(job=job, end_reason=LeaseEnd.COMPLETED).count() == 1
+    assert_consistent(later(64))
+
+
+def test_worker_b_cannot_complete_worker_a_job(worker, other_worker, batch):
+    job = claim(worker)
+    before = snapshot(job)
+
+    with pytest.raises(LeaseLost):
+        Job(pk=job.pk).complete(
+            job.lease_token, worker=other_worker, result=RESULT, now=later(5)
+        )
+
+    assert snapshot(job) == before
+
+
+def test_complete_after_expiry_but_before_reclaim_is_accepted(worker, batch):
+    job = claim(worker)
+
+    job.complete(job.lease_token, worker=worker, result=RESULT, now=later(600))
+
+    assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
+    assert Job.objects.reclaim_expired(now=later(601)) == {"requeued": 0, "failed": 0}

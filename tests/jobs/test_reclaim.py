@@ -1,0 +1,115 @@
+import pytest
+
+from batches.models import ItemStatus
+from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
+
+from ..factories import (
+    T0,
+    assert_consistent,
+    claim,
+    jobs_of,
+    later,
+    make_batch,
+    snapshot,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def test_reclaim_requeues_expired_leases_with_item_and_ledger(worker, batch):
+    expired = claim(worker)
+    alive = claim(worker, now=later(30))
+
+    report = Job.objects.reclaim_expired(now=later(61))
+
+    assert report == {"requeued": 1, "failed": 0}
+    expired.refresh_from_db()
+    assert (expired.status, expired.lease_token, expired.leased_by) == (
+        JobStatus.QUEUED,
+        None,
+        None,
+    )
+    assert expired.attempts == 1
+    assert expired.available_at == later(61)
+    assert expired.item.status == ItemStatus.QUEUED
+    lease = Lease.objects.get(job=expired)
+    assert (lease.end_reason, lease.ended_at) == (LeaseEnd.EXPIRED, later(61))
+    assert Job.objects.get(pk=alive.pk).status == JobStatus.LEASED
+    assert batch.counts()["queued"] == 2
+    assert batch.counts()["transcribing"] == 1
+    assert_consistent(later(61))
+
+
+def test_a_job_that_used_its_last_attempt_fails_instead(worker, db):
+    batch = make_batch(1)
+    for attempt in (1, 2, 3):
+        claim(worker, now=later(100 * attempt))
+        Job.objects.reclaim_expired(now=later(100 * attempt + 61))
+
+    job = jobs_of(batch)[0]
+    assert (job.status, job.attempts) == (JobStatus.FAILED, 3)
+    assert job.last_error.startswith(
+        "Gave up: the lease expired on the last allowed attempt (3 of 3)"
+    )
+    assert job.item.status == ItemStatus.FAILED
+    assert (
+        list(Lease.objects.filter(job=job).values_list("end_reason", flat=True))
+        == ["expired"] * 3
+    )
+    assert batch.counts()["failed"] == 1
+    assert_consistent(later(400))
+
+
+def test_reclaim_is_bounded_by_its_limit(worker, db):
+    make_batch(5)
+    for _ in range(5):
+        claim(worker)
+
+    assert Job.objects.reclaim_expired(now=later(61), limit=2) == {
+        "requeued": 2,
+        "failed": 0,
+    }
+    assert Job.objects.filter(status=JobStatus.LEASED).count() == 3
+    assert Job.objects.reclaim_expired(now=later(61)) == {"requeued": 3, "failed": 0}
+
+
+def test_reclaim_works_in_chunks(worker, db, settings):
+    settings.RECALL_CHUNK_SIZE = 2
+    make_batch(5)
+    for _ in range(5):
+        claim(worker)
+
+    assert Job.objects.reclaim_expired(now=later(61)) == {"requeued": 5, "failed": 0}
+    assert_consistent(later(61))
+
+
+def test_force_reclaim_ends_a_live_lease_and_fences_the_worker(
+    worker, other_worker, batch
+):
+    job = claim(worker)
+    token = job.lease_token
+
+    assert Job(pk=job.pk).force_reclaim(now=later(5)) is True
+
+    job.refresh_from_db()
+    assert (job.status, job.attempts) == (JobStatus.QUEUED, 0)
+    assert job.item.status == ItemStatus.QUEUED
+    lease = Lease.objects.get(token=token)
+    assert (lease.end_reason, lease.ended_at) == (LeaseEnd.FORCED, later(5))
+    event = Event.objects.get(job=job)
+    assert event.kind == Event.Kind.FORCE_RECLAIMED
+    from jobs.exceptions import LeaseLost
+
+    with pytest.raises(LeaseLost):
+        Job(pk=job.pk).heartbeat(token, worker=worker, now=later(6))
+    assert claim(other_worker, now=later(6)).pk == job.pk
+    assert_consistent(later(6))
+
+
+def test_force_reclaim_of_a_job_that_is_not_leased_does_nothing(worker, batch):
+    job = jobs_of(batch)[0]
+    before = snapshot(job)
+
+    assert Job(pk=job.pk).force_reclaim(now=T0) is False
+
+    assert snapshot(job) == before
