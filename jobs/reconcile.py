@@ -56,7 +56,7 @@ class ReconcileReport:
     cancels_finished: int = 0
     batches_reopened: int = 0
     counters_fixed: int = 0
-    jobs_scanned: int = 0  # job ids covered by the rotating scan
+    jobs_scanned: int = 0  # jobs covered by the rotating scan
 
     @property
     def repairs(self) -> int:
@@ -178,49 +178,57 @@ def _finish_cancel(batch_id: int, *, now: datetime, chunks: int | None = None) -
 
 
 def _scan_jobs(report: ReconcileReport, *, now: datetime, budget: int | None) -> None:
-    """Check every job against its item and batch, a window of ids at a time.
+    """Check every job against its item and batch, SCAN_WINDOW jobs at a time.
 
-    With a budget, the scan resumes where the last pass stopped and wraps around,
-    so each sweep stays bounded and every job is still checked every few sweeps.
+    With a budget (in jobs), the scan resumes where the last pass stopped and
+    wraps around, so each sweep stays bounded and every job is still checked
+    every few sweeps.
     """
     top = Job.objects.aggregate(top=Max("pk"))["top"] or 0
     cursor = SweepState.get().scan_cursor if budget is not None else 0
     if cursor >= top:
         cursor = 0
-    covered = 0
-    while cursor < top and (budget is None or covered < budget):
-        hi = cursor + SCAN_WINDOW
-        suspects = (
-            Job.objects.filter(pk__gt=cursor, pk__lte=hi)
-            .filter(
-                ~agreeing_item_status()
-                | Q(status=JobStatus.QUEUED, attempts__gte=F("max_attempts"))
-                | Q(
-                    status__in=[JobStatus.QUEUED, JobStatus.LEASED],
-                    batch__finished_at__isnull=False,
-                )
-            )
-            .values_list("pk", "batch_id")
+    while cursor < top and (budget is None or report.jobs_scanned < budget):
+        after = (
+            Job.objects.filter(pk__gt=cursor)
+            .order_by("pk")
+            .values_list("pk", flat=True)
         )
-        for job_id, batch_id in list(suspects):
-            job = Job(pk=job_id)
-            report.items_healed += job.heal_item(now=now)
-            report.exhausted_failed += job.fail_exhausted(now=now)
-            unfinished = Job.objects.filter(
-                pk=job_id, status__in=[JobStatus.QUEUED, JobStatus.LEASED]
+        boundary = list(after[SCAN_WINDOW - 1 : SCAN_WINDOW])
+        hi = boundary[0] if boundary else top
+        window = Job.objects.filter(pk__gt=cursor, pk__lte=hi)
+        suspects = window.filter(
+            ~agreeing_item_status()
+            | Q(status=JobStatus.QUEUED, attempts__gte=F("max_attempts"))
+            | Q(
+                status__in=[JobStatus.QUEUED, JobStatus.LEASED],
+                batch__finished_at__isnull=False,
             )
-            if unfinished.exists() and Batch.objects.filter(
-                pk=batch_id, finished_at__isnull=False
-            ).update(finished_at=None):
-                report.batches_reopened += 1
-                Event.repair(
-                    job,
-                    "The batch was marked finished but this job was not; reopened it.",
-                )
-        report.jobs_scanned += min(hi, top) - cursor
+        ).values_list("pk", "batch_id")
+        for job_id, batch_id in list(suspects):
+            _heal_scanned(report, Job(pk=job_id), batch_id, now=now)
+        report.jobs_scanned += SCAN_WINDOW if boundary else window.count()
         cursor = hi
-        covered += SCAN_WINDOW
     if budget is not None:
         SweepState.objects.filter(pk=SweepState.SINGLETON).update(
             scan_cursor=0 if cursor >= top else cursor
+        )
+
+
+def _heal_scanned(
+    report: ReconcileReport, job: Job, batch_id: int, *, now: datetime
+) -> None:
+    report.items_healed += job.heal_item(now=now)
+    report.exhausted_failed += job.fail_exhausted(now=now)
+    unfinished = Job.objects.filter(
+        pk=job.pk, status__in=[JobStatus.QUEUED, JobStatus.LEASED]
+    )
+    if unfinished.exists() and Batch.objects.filter(
+        pk=batch_id, finished_at__isnull=False
+    ).update(finished_at=None):
+        report.batches_reopened += 1
+        Event.repair(
+            job,
+            "The batch was marked finished but this job was not; reopened it.",
+            batch_id=batch_id,
         )

@@ -13,7 +13,7 @@ PY=.venv/bin/python
 export SECRET_KEY="${SECRET_KEY:-test-only-not-a-secret}"
 export DJANGO_ALLOW_ASYNC_UNSAFE=true
 TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://root@127.0.0.1:5432/recall}"
-mkdir -p var
+mkdir -p var/static
 
 if $PY scripts/db_reachable.py "$TEST_DATABASE_URL"; then
     echo "== tests on PostgreSQL"

@@ -33,6 +33,18 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _test_settings(settings):
+    """The test client speaks plain HTTP, and static files are not collected."""
+    settings.SECURE_SSL_REDIRECT = False
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "staticfiles": {
+            "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
+        },
+    }
+
+
 @pytest.fixture
 def now() -> datetime:
     """A fixed 'now': tests pass time explicitly instead of sleeping."""

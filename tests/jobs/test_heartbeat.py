@@ -5,7 +5,7 @@ import pytest
 from jobs.exceptions import LeaseLost
 from jobs.models import Job, Lease
 
-from ..factories import T0, claim, later, make_batch, snapshot
+from ..factories import claim, later, make_batch, snapshot
 
 pytestmark = pytest.mark.django_db
 

@@ -4,7 +4,7 @@ from batches.models import ItemStatus
 from jobs.exceptions import LeaseLost
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 
-from ..factories import T0, assert_consistent, claim, later, snapshot
+from ..factories import assert_consistent, claim, later, snapshot
 
 pytestmark = pytest.mark.django_db
 

@@ -1,0 +1,399 @@
+"""The worker API v1: shapes and the error contract, through the HTTP stack."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+
+from jobs.models import Job, JobStatus, Lease, Worker
+
+from ..factories import jobs_of, make_batch, snapshot
+
+pytestmark = pytest.mark.django_db
+
+
+def _error(response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.content
+    assert response["Content-Type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"error", "detail"}
+    assert body["error"] == code
+    assert isinstance(body["detail"], str) and body["detail"]
+    return body
+
+
+def _claimed(api) -> dict:
+    response = api.claim()
+    assert response.status_code == 200, response.content
+    return response.json()["job"]
+
+
+# --- Happy paths and shapes -----------------------------------------------------------
+
+
+def test_claim_returns_the_documented_shape(api):
+    batch = make_batch(2, name="podcasts")
+    job = jobs_of(batch)[0]
+    before = timezone.now()
+
+    body = api.claim().json()
+
+    assert list(body) == ["job"]
+    claimed = body["job"]
+    assert set(claimed) == {
+        "id", "lease_token", "lease_expires_at", "lease_seconds", "heartbeat_interval",
+        "attempt", "max_attempts", "batch", "item",
+    }  # fmt: skip
+    assert claimed["id"] == job.pk
+    assert claimed["lease_seconds"] == 60
+    assert claimed["heartbeat_interval"] == 20
+    assert (claimed["attempt"], claimed["max_attempts"]) == (1, 3)
+    assert claimed["batch"] == {"id": batch.pk, "name": "podcasts"}
+    assert claimed["item"] == {
+        "id": job.item_id,
+        "source": job.item.source,
+        "params": {},
+    }
+    expires = datetime.fromisoformat(claimed["lease_expires_at"])
+    assert (
+        before + timedelta(seconds=59)
+        < expires
+        < timezone.now() + timedelta(seconds=61)
+    )
+    assert Job.objects.get(pk=job.pk).lease_token == claimed["lease_token"]
+
+
+def test_claim_passes_the_params_from_the_manifest(api):
+    from batches.intake import create_batch
+
+    lines = ["source,duration_seconds,language\n", "s3://b/a.wav,12.5,de\n"]
+    create_batch("csv", lambda: iter(lines))
+
+    assert _claimed(api)["item"]["params"] == {"language": "de"}
+
+
+def test_claim_with_nothing_to_do_is_204_with_an_empty_body(api):
+    response = api.claim()
+
+    assert response.status_code == 204
+    assert response.content == b""
+
+
+def test_claim_accepts_an_empty_body(api):
+    make_batch(1)
+
+    assert api.post("/api/v1/claim", raw=b"").status_code == 200
+
+
+def test_heartbeat_complete_fail_release_shapes(api):
+    make_batch(4)
+    first = _claimed(api)
+
+    response = api.heartbeat(first["id"], first["lease_token"])
+    assert response.status_code == 200
+    assert list(response.json()) == ["lease_expires_at"]
+    datetime.fromisoformat(response.json()["lease_expires_at"])
+
+    response = api.complete(
+        first["id"], first["lease_token"], {"text": "hi", "segments": []}
+    )
+    assert (response.status_code, response.json()) == (200, {"status": "completed"})
+
+    second = _claimed(api)
+    response = api.fail(second["id"], second["lease_token"], "oom", retryable=True)
+    assert (response.status_code, response.json()) == (200, {"status": "queued"})
+
+    third = _claimed(api)
+    response = api.fail(third["id"], third["lease_token"], "bad file", retryable=False)
+    assert (response.status_code, response.json()) == (200, {"status": "failed"})
+
+    fourth = _claimed(api)
+    response = api.release(fourth["id"], fourth["lease_token"])
+    assert (response.status_code, response.json()) == (200, {"status": "queued"})
+
+
+def test_fail_is_retryable_by_default(api):
+    make_batch(1)
+    job = _claimed(api)
+
+    response = api.post(
+        f"/api/v1/jobs/{job['id']}/fail",
+        {"lease_token": job["lease_token"], "error": "x"},
+    )
+
+    assert response.json() == {"status": "queued"}
+
+
+def test_replayed_complete_is_200_again(api):
+    make_batch(1)
+    job = _claimed(api)
+    assert api.complete(job["id"], job["lease_token"]).status_code == 200
+
+    response = api.complete(job["id"], job["lease_token"])
+
+    assert (response.status_code, response.json()) == (200, {"status": "completed"})
+
+
+def test_every_call_updates_last_seen(api, worker):
+    assert worker.last_seen is None
+    api.claim()
+    assert Worker.objects.get(pk=worker.pk).last_seen is not None
+
+
+# --- Lease lost ------------------------------------------------------------------------
+
+
+def test_stale_worker_is_fenced_after_reclaim(api, other_api):
+    make_batch(1)
+    job = _claimed(api)
+    Job.objects.filter(pk=job["id"]).update(lease_expires_at=timezone.now())
+    fresh = _claimed(other_api)  # reclaims the expired lease first
+    assert fresh["id"] == job["id"]
+    before = snapshot(Job.objects.get(pk=job["id"]))
+
+    for response in (
+        api.heartbeat(job["id"], job["lease_token"]),
+        api.complete(job["id"], job["lease_token"]),
+        api.fail(job["id"], job["lease_token"]),
+        api.release(job["id"], job["lease_token"]),
+    ):
+        _error(response, 409, "lease_lost")
+
+    assert snapshot(Job.objects.get(pk=job["id"])) == before
+
+
+def test_another_workers_job_is_409(api, other_api):
+    make_batch(1)
+    job = _claimed(api)
+
+    for response in (
+        other_api.heartbeat(job["id"], job["lease_token"]),
+        other_api.complete(job["id"], job["lease_token"]),
+        other_api.fail(job["id"], job["lease_token"]),
+        other_api.release(job["id"], job["lease_token"]),
+    ):
+        _error(response, 409, "lease_lost")
+    assert Job.objects.get(pk=job["id"]).status == JobStatus.LEASED
+
+
+def test_a_wrong_token_is_409(api):
+    make_batch(1)
+    job = _claimed(api)
+
+    _error(api.heartbeat(job["id"], "not-my-token"), 409, "lease_lost")
+
+
+# --- Authentication ---------------------------------------------------------------------
+
+
+def test_missing_token_is_401():
+    response = Client().post(
+        "/api/v1/claim", data=b"{}", content_type="application/json"
+    )
+
+    _error(response, 401, "unauthorized")
+    assert response["WWW-Authenticate"].startswith("Bearer")
+
+
+@pytest.mark.parametrize(
+    "header", ["Bearer nope-nope-nope", "Bearer ", "Basic abc", "token"]
+)
+def test_bad_authorization_is_401(header, worker):
+    response = Client().post(
+        "/api/v1/claim",
+        data=b"{}",
+        content_type="application/json",
+        HTTP_AUTHORIZATION=header,
+    )
+    _error(response, 401, "unauthorized")
+
+
+def test_disabled_worker_is_403(api, worker):
+    Worker.objects.filter(pk=worker.pk).update(is_active=False)
+
+    _error(api.claim(), 403, "forbidden")
+
+
+def test_a_rotated_token_stops_working_at_once(api, worker):
+    old = worker.token
+    new = worker.rotate_token()
+
+    _error(api.post("/api/v1/claim", {}, token=old), 401, "unauthorized")
+    assert api.post("/api/v1/claim", {}, token=new).status_code == 204
+
+
+def test_session_cookies_are_never_accepted(db):
+    User.objects.create_superuser("admin", "a@example.com", "pw")
+    client = Client(enforce_csrf_checks=True)
+    client.login(username="admin", password="pw")
+
+    _error(client.post("/api/v1/claim"), 401, "unauthorized")
+
+
+def test_csrf_does_not_apply_to_token_auth(worker):
+    client = Client(enforce_csrf_checks=True)
+    response = client.post(
+        "/api/v1/claim", data=b"{}", content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {worker.token}",
+    )  # fmt: skip
+    assert response.status_code == 204
+
+
+def test_tokens_are_stored_only_hashed(worker):
+    stored = Worker.objects.filter(pk=worker.pk).values().get()
+    assert worker.token not in json.dumps(stored, default=str)
+    assert stored["token_prefix"] == worker.token[:8]
+
+
+# --- Bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["get", "put", "delete", "patch"])
+def test_wrong_method_is_405(method, worker):
+    response = getattr(Client(), method)(
+        "/api/v1/claim", HTTP_AUTHORIZATION=f"Bearer {worker.token}"
+    )
+    _error(response, 405, "method_not_allowed")
+    assert response["Allow"] == "POST"
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/api/v1/nope", "/api/v2/claim", "/api/v1/claim/", "/api/v1/jobs/1/explode"],
+)
+def test_unknown_api_path_is_404_json(path, api):
+    _error(api.post(path, {}), 404, "not_found")
+
+
+@pytest.mark.parametrize("job_id", [999999, 2**63, 10**30])
+def test_unknown_job_is_404(job_id, api):
+    _error(api.heartbeat(job_id, "t"), 404, "not_found")
+
+
+@pytest.mark.parametrize(
+    ("raw", "detail"),
+    [
+        (b"{", "not valid JSON"),
+        (b"[]", "must be a JSON object, not an array"),
+        (b'"x"', "must be a JSON object, not a string"),
+        (b"42", "must be a JSON object, not a number"),
+        (b"null", "must be a JSON object, not null"),
+        (b'{"lease_token": NaN}', "not valid JSON"),
+        (b'{"lease_token": Infinity}', "not valid JSON"),
+        (b"\xff\xfe{}", "not valid UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"lease_token": "a\\u0000b"}', "NUL"),
+        (b'{"lease_token": "\\ud800"}', "surrogates"),
+    ],
+)
+def test_malformed_bodies_are_400(raw, detail, api):
+    make_batch(1)
+    job = _claimed(api)
+
+    body = _error(
+        api.post(f"/api/v1/jobs/{job['id']}/heartbeat", raw=raw), 400, "bad_request"
+    )
+
+    assert detail in body["detail"]
+
+
+def test_claim_with_a_non_object_body_is_400(api):
+    _error(api.post("/api/v1/claim", raw=b"[1, 2]"), 400, "bad_request")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "detail"),
+    [
+        ("heartbeat", {}, "Missing field 'lease_token'"),
+        ("heartbeat", {"lease_token": 5}, "'lease_token' must be a string, not a number"),
+        ("heartbeat", {"lease_token": ""}, "1 to 256 characters"),
+        ("heartbeat", {"lease_token": "x" * 257}, "1 to 256 characters"),
+        ("complete", {"lease_token": "t"}, "Missing field 'result'"),
+        ("complete", {"lease_token": "t", "result": "text"}, "must be an object"),
+        ("complete", {"lease_token": "t", "result": {}}, "string 'text'"),
+        ("complete", {"lease_token": "t", "result": {"text": 1}}, "string 'text'"),
+        ("complete", {"lease_token": "t", "result": {"text": "", "segments": {}}}, "array"),
+        (
+            "complete",
+            {"lease_token": "t", "result": {"text": "", "segments": [{"start": 2, "end": 1, "text": ""}]}},
+            "segments[0]",
+        ),
+        (
+            "complete",
+            {"lease_token": "t", "result": {"text": "", "segments": [{"start": True, "end": 1, "text": ""}]}},
+            "segments[0]",
+        ),
+        ("complete", {"lease_token": "t", "result": {"text": "", "language": 3}}, "language"),
+        ("complete", {"lease_token": "t", "result": {"text": "a\x00"}}, "NUL"),
+        ("fail", {"lease_token": "t"}, "Missing field 'error'"),
+        ("fail", {"lease_token": "t", "error": ["x"]}, "must be a string, not an array"),
+        ("fail", {"lease_token": "t", "error": "x", "retryable": "yes"}, "must be a boolean"),
+        ("fail", {"lease_token": "t", "error": "x", "retryable": 1}, "must be a boolean"),
+        ("release", {"lease_token": None}, "must be a string, not null"),
+    ],
+)  # fmt: skip
+def test_ill_typed_fields_are_400_and_change_nothing(endpoint, body, detail, api):
+    make_batch(1)
+    job = _claimed(api)
+    before = snapshot(Job.objects.get(pk=job["id"]))
+
+    response = api.post(f"/api/v1/jobs/{job['id']}/{endpoint}", body)
+
+    assert detail in _error(response, 400, "bad_request")["detail"]
+    assert snapshot(Job.objects.get(pk=job["id"])) == before
+
+
+def test_a_body_over_the_limit_is_413(api, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    make_batch(1)
+    job = _claimed(api)
+    big = {"lease_token": job["lease_token"], "result": {"text": "x" * 2000}}
+
+    _error(
+        api.post(f"/api/v1/jobs/{job['id']}/complete", big), 413, "payload_too_large"
+    )
+    assert Job.objects.get(pk=job["id"]).status == JobStatus.LEASED
+
+
+def test_the_default_limit_takes_a_long_transcript_with_segments(api):
+    make_batch(1)
+    job = _claimed(api)
+    segments = [
+        {"start": i * 2.0, "end": i * 2.0 + 1.9, "text": "word " * 20}
+        for i in range(40_000)
+    ]
+    result = {"text": " ".join(s["text"] for s in segments), "segments": segments}
+    payload = json.dumps({"lease_token": job["lease_token"], "result": result}).encode()
+    assert 8_000_000 < len(payload) < 10 * 1024 * 1024
+
+    response = api.post(f"/api/v1/jobs/{job['id']}/complete", raw=payload)
+
+    assert response.status_code == 200
+    assert len(Job.objects.get(pk=job["id"]).result["segments"]) == 40_000
+
+
+def test_a_long_error_is_accepted_and_truncated(api):
+    make_batch(1)
+    job = _claimed(api)
+
+    response = api.fail(job["id"], job["lease_token"], "E" * 50_000, retryable=False)
+
+    assert response.status_code == 200
+    assert len(Lease.objects.get(job_id=job["id"]).error) == 10_000
+
+
+def test_unknown_fields_are_ignored(api):
+    make_batch(1)
+    job = _claimed(api)
+
+    response = api.post(
+        f"/api/v1/jobs/{job['id']}/heartbeat",
+        {"lease_token": job["lease_token"], "progress": 0.5},
+    )
+
+    assert response.status_code == 200
