@@ -155,18 +155,16 @@ def _parse_csv(
         lowered.index("duration_seconds") if "duration_seconds" in lowered else None
     )
     while True:
+        number = header_line + reader.line_num  # the line the next row starts on
         try:
             row = next(reader)
         except StopIteration:
             break
         except csv.Error as error:
             yield from _drain(pending)
-            yield LineError(
-                header_line + reader.line_num - 1, f"malformed CSV: {error}"
-            )
+            yield LineError(number, f"malformed CSV: {error}")
             return
         yield from _drain(pending)
-        number = header_line + reader.line_num - 1
         if not any(cell.strip() for cell in row):
             continue
         if len(row) != len(header):

@@ -150,7 +150,8 @@ SECURE_HSTS_SECONDS = env.int(
     "SECURE_HSTS_SECONDS", default=31536000 if RECALL_HTTPS else 0
 )
 SECURE_HSTS_INCLUDE_SUBDOMAINS = RECALL_HTTPS
-SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+# The preload flag alone enrolls nothing: a site must still be submitted to the list.
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=RECALL_HTTPS)
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
 if env.bool("RECALL_BEHIND_PROXY", default=False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
