@@ -389,14 +389,19 @@ class JobQuerySet(models.QuerySet):
         """Queue the failed jobs of this queryset again, with fresh attempts.
 
         Works in bounded transactions; each reopens the batches it touches so
-        claims find them again. Returns how many jobs were queued.
+        claims find them again. Jobs of cancelled batches stay failed. Returns
+        how many jobs were queued.
         """
         now = now or timezone.now()
         total, after = 0, 0
         while True:
             with transaction.atomic():
                 jobs = list(
-                    self.filter(status=JobStatus.FAILED, pk__gt=after)
+                    self.filter(
+                        status=JobStatus.FAILED,
+                        pk__gt=after,
+                        batch__cancelled_at__isnull=True,
+                    )
                     .locked(skip_locked=True)
                     .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
                 )

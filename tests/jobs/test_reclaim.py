@@ -1,6 +1,6 @@
 import pytest
 
-from batches.models import ItemStatus
+from batches.models import Batch, ItemStatus
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
 
 from ..factories import (
@@ -113,3 +113,34 @@ def test_force_reclaim_of_a_job_that_is_not_leased_does_nothing(worker, batch):
     assert Job(pk=job.pk).force_reclaim(now=T0) is False
 
     assert snapshot(job) == before
+
+
+def test_retry_failed_queues_again_with_fresh_attempts_and_reopens_the_batch(
+    worker, db
+):
+    batch = make_batch(2)
+    for _ in range(2):
+        job = claim(worker)
+        job.fail(job.lease_token, worker=worker, error="bad", retryable=False, now=T0)
+    assert Batch.objects.settle(now=T0) == 1
+
+    assert Job.objects.filter(batch=batch).retry_failed(now=later(1)) == 2
+
+    assert set(Job.objects.filter(batch=batch).values_list("status", "attempts")) == {
+        (JobStatus.QUEUED, 0)
+    }
+    assert Batch.objects.get(pk=batch.pk).finished_at is None
+    assert batch.counts()["queued"] == 2
+    assert Event.objects.filter(kind=Event.Kind.RETRIED).count() == 2
+    assert claim(worker, now=later(1)).batch_id == batch.pk
+    assert_consistent(later(1))
+
+
+def test_retry_leaves_failed_jobs_of_a_cancelled_batch_alone(worker, db):
+    batch = make_batch(2)
+    job = claim(worker)
+    job.fail(job.lease_token, worker=worker, error="bad", retryable=False, now=T0)
+    Job.objects.cancel_batch(batch, now=T0)
+
+    assert Job.objects.filter(batch=batch).retry_failed(now=later(1)) == 0
+    assert Job.objects.get(pk=job.pk).status == JobStatus.FAILED
