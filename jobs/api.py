@@ -267,6 +267,8 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
                     "id": job.item.pk,
                     "source": job.item.source,
                     "params": job.item.params,
+                    # Additive to the v1 shape: from the manifest, null if unknown.
+                    "duration_seconds": job.item.duration_seconds,
                 },
             }
         }

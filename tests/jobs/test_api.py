@@ -58,6 +58,7 @@ def test_claim_returns_the_documented_shape(api):
         "id": job.item_id,
         "source": job.item.source,
         "params": {},
+        "duration_seconds": None,
     }
     expires = datetime.fromisoformat(claimed["lease_expires_at"])
     assert (
@@ -74,7 +75,8 @@ def test_claim_passes_the_params_from_the_manifest(api):
     lines = ["source,duration_seconds,language\n", "s3://b/a.wav,12.5,de\n"]
     create_batch("csv", lambda: iter(lines))
 
-    assert _claimed(api)["item"]["params"] == {"language": "de"}
+    item = _claimed(api)["item"]
+    assert (item["params"], item["duration_seconds"]) == ({"language": "de"}, 12.5)
 
 
 def test_claim_with_nothing_to_do_is_204_with_an_empty_body(api):
