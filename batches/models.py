@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import models, transaction
+from django.db import connection, models, transaction
 from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -113,6 +113,10 @@ class Batch(models.Model):
 
     class Meta:
         verbose_name_plural = "batches"
+        permissions = [
+            ("operate_batch", "Can pause, resume, cancel and retry batches"),
+            ("export_batch", "Can export a batch's results"),
+        ]
         indexes = [
             # Claims walk the open batches in priority order.
             models.Index(
@@ -225,6 +229,7 @@ def move_items(moves: Iterable[ItemMove], *, now) -> None:
     for status, ids in by_new.items():
         BatchItem.objects.filter(pk__in=ids).update(status=status, updated_at=now)
     BatchCounter.objects.shift(moves)
+    BatchMinute.objects.record(moves, now=now)
 
 
 class BatchCounterQuerySet(models.QuerySet):
@@ -325,3 +330,76 @@ class BatchCounter(models.Model):
 
     def __str__(self) -> str:
         return f"counters of batch {self.batch_id}, shard {self.shard}"
+
+
+class BatchMinuteQuerySet(models.QuerySet):
+    def record(self, moves: Iterable[ItemMove], *, now) -> None:
+        """Count the moves that finish items (done or failed) in ``now``'s minute.
+
+        One upsert per (batch, shard), in the caller's transaction, after the
+        counters (same lock order everywhere: no deadlock).
+        """
+        minute = now.replace(second=0, microsecond=0)
+        rows: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        for m in moves:
+            if m.new == ItemStatus.DONE:
+                row = rows[(m.batch_id, m.item_id % COUNTER_SHARDS)]
+                row[0] += 1
+                row[1] += m.ms
+            elif m.new == ItemStatus.FAILED:
+                row = rows[(m.batch_id, m.item_id % COUNTER_SHARDS)]
+                row[2] += 1
+                row[3] += m.ms
+        if not rows:
+            return
+        table = BatchMinute._meta.db_table
+        # INSERT ... ON CONFLICT DO UPDATE adds to an existing row atomically, on
+        # both PostgreSQL and SQLite; the ORM cannot express the increment.
+        sql = (
+            f"INSERT INTO {table} "
+            f"(batch_id, minute, shard, done, done_ms, failed, failed_ms) "
+            f"VALUES (%s, %s, %s, %s, %s, %s, %s) "
+            f"ON CONFLICT (batch_id, minute, shard) DO UPDATE SET "
+            f"done = {table}.done + excluded.done, "
+            f"done_ms = {table}.done_ms + excluded.done_ms, "
+            f"failed = {table}.failed + excluded.failed, "
+            f"failed_ms = {table}.failed_ms + excluded.failed_ms"
+        )
+        at = connection.ops.adapt_datetimefield_value(minute)
+        with connection.cursor() as cursor:
+            cursor.executemany(
+                sql,
+                [
+                    (batch, at, shard, *counts)
+                    for (batch, shard), counts in sorted(rows.items())
+                ],
+            )
+
+
+class BatchMinute(models.Model):
+    """Items of a batch that finished (done or failed) in one minute, per shard.
+
+    Written in the same transaction as the counters; the throughput chart and
+    the ETA's recent rate are sums over these rows. The sweep drops old ones.
+    """
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="minutes")
+    minute = models.DateTimeField()
+    shard = models.PositiveSmallIntegerField()
+    done = models.IntegerField(default=0)
+    done_ms = models.BigIntegerField(default=0)
+    failed = models.IntegerField(default=0)
+    failed_ms = models.BigIntegerField(default=0)
+
+    objects = BatchMinuteQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["batch", "minute", "shard"], name="minute_shard_unique"
+            )
+        ]
+        indexes = [models.Index(fields=["minute"], name="minute_time")]
+
+    def __str__(self) -> str:
+        return f"batch {self.batch_id} at {self.minute:%H:%M}, shard {self.shard}"

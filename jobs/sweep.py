@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from batches.models import Batch
+from batches.models import Batch, BatchMinute
 
 from .models import Job, SweepState
 from .reconcile import reconcile
@@ -48,6 +48,8 @@ def sweep(*, now: datetime | None = None, full: bool = False) -> dict:
         healed = reconcile(now=now, scan_budget=None if full else budget, recount=full)
         report["reconcile"] = healed.as_dict()
         report["batches_finished"] = Batch.objects.settle(now=now)
+        retention = timedelta(hours=settings.RECALL_THROUGHPUT_RETENTION_HOURS)
+        BatchMinute.objects.filter(minute__lt=now - retention).delete()
         SweepState.objects.filter(pk=SweepState.SINGLETON).update(
             last_started_at=now,
             last_finished_at=now + (timezone.now() - started),

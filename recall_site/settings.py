@@ -174,6 +174,15 @@ RECALL_CHUNK_SIZE = env.int("RECALL_CHUNK_SIZE", default=500)
 RECALL_RECONCILE_SCAN_PER_SWEEP = env.int(
     "RECALL_RECONCILE_SCAN_PER_SWEEP", default=200_000
 )
+# A batch with items in flight but no completion or heartbeat for this long is
+# shown as stalled.
+RECALL_STALLED_AFTER_SECONDS = env.int(
+    "RECALL_STALLED_AFTER_SECONDS", default=max(180, 3 * RECALL_LEASE_SECONDS)
+)
+# Per-minute throughput history kept for charts and ETAs.
+RECALL_THROUGHPUT_RETENTION_HOURS = env.int(
+    "RECALL_THROUGHPUT_RETENTION_HOURS", default=48
+)
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 

@@ -1,0 +1,313 @@
+"""What operators see of a batch: counts, state, throughput and ETA.
+
+The numbers come from records the transitions keep exact in their own
+transactions (the sharded counters and the per-minute finish buckets), and from
+the live leases; the maths is in pure functions below, tested without a
+database. Reads are a handful of indexed queries, whatever the batch's size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db.models import Max, Sum
+
+from .models import Batch, BatchCounter, BatchMinute, ItemStatus
+
+# The ETA's rate is measured over this recent window.
+RATE_WINDOW = timedelta(minutes=10)
+# The throughput chart covers this much history, one bar per minute.
+CHART_WINDOW = timedelta(hours=1)
+
+
+class BatchState:
+    RUNNING = "running"
+    PAUSED = "paused"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    STALLED = "stalled"
+
+    ALL = (RUNNING, PAUSED, FINISHED, CANCELLED, STALLED)
+
+
+# --- Pure functions ---------------------------------------------------------------
+
+
+def batch_state(
+    *, cancelled: bool, paused: bool, remaining: int, in_flight: int, stalled: bool
+) -> str:
+    """One word for the batch. Cancelled and finished win over paused."""
+    if cancelled:
+        return BatchState.CANCELLED
+    if remaining == 0:
+        return BatchState.FINISHED
+    if paused:
+        return BatchState.PAUSED
+    if stalled and in_flight:
+        return BatchState.STALLED
+    return BatchState.RUNNING
+
+
+def is_stalled(
+    *, in_flight: int, last_activity: datetime | None, now: datetime, after: timedelta
+) -> bool:
+    """Items are in flight but nothing completed or heartbeated for ``after``."""
+    return in_flight > 0 and (last_activity is None or now - last_activity > after)
+
+
+def rate_per_second(finished: float, seconds: float) -> float | None:
+    """Finished units per second over a window, or None when nothing finished."""
+    if seconds <= 0 or finished <= 0:
+        return None
+    return finished / seconds
+
+
+def eta_seconds(remaining: float, rate: float | None) -> int | None:
+    """Seconds until ``remaining`` units are finished at ``rate`` units/second.
+
+    0 when nothing remains; None when the rate is unknown (no recent
+    throughput). Never negative, never infinite.
+    """
+    if remaining <= 0:
+        return 0
+    if not rate or rate <= 0 or not math.isfinite(rate):
+        return None
+    return max(0, math.ceil(remaining / rate))
+
+
+def percent(part: int, total: int) -> float:
+    return round(100 * part / total, 1) if total > 0 else 0.0
+
+
+def window_seconds(
+    now: datetime, window_start: datetime, created_at: datetime
+) -> float:
+    """Length of the rate window: no longer than the batch has existed."""
+    return (now - max(window_start, created_at)).total_seconds()
+
+
+def minute_floor(moment: datetime) -> datetime:
+    return moment.replace(second=0, microsecond=0)
+
+
+def chart_bars(
+    done_by_minute: dict[datetime, int], now: datetime, minutes: int
+) -> list[tuple[datetime, int]]:
+    """(minute, items done) for each of the last ``minutes`` minutes, oldest first."""
+    last = minute_floor(now)
+    return [
+        (m, done_by_minute.get(m, 0))
+        for m in (last - timedelta(minutes=i) for i in range(minutes - 1, -1, -1))
+    ]
+
+
+def format_duration(seconds: float | None) -> str:
+    """'2 h 05 min', '7 min', '40 s'; 'unknown' for None."""
+    if seconds is None:
+        return "unknown"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes = seconds // 60
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes:02d} min"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h"
+
+
+# --- Reading a batch's progress ---------------------------------------------------
+
+
+@dataclass
+class Progress:
+    batch: Batch
+    now: datetime
+    counts: dict[str, int]
+    state: str
+    total: int
+    percent_done: float
+    throughput_per_minute: float
+    eta_seconds: int | None
+    eta_basis: str
+    stalled: bool
+    last_activity: datetime | None
+    chart: list[tuple[datetime, int]] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.counts[ItemStatus.QUEUED] + self.counts[ItemStatus.TRANSCRIBING]
+
+    @property
+    def is_final(self) -> bool:
+        """Nothing will change any more without an operator: stop refreshing."""
+        return (
+            self.state in (BatchState.FINISHED, BatchState.CANCELLED)
+            and not (self.counts[ItemStatus.TRANSCRIBING])
+        )
+
+    @property
+    def segments(self) -> list[tuple[str, int, float]]:
+        """(status, count, percent of total) for the segmented bar."""
+        order = (
+            ItemStatus.DONE,
+            ItemStatus.FAILED,
+            ItemStatus.TRANSCRIBING,
+            ItemStatus.QUEUED,
+            ItemStatus.CANCELLED,
+        )
+        return [(s, self.counts[s], percent(self.counts[s], self.total)) for s in order]
+
+    def as_json(self) -> dict:
+        return {
+            "batch": self.batch.pk,
+            "state": self.state,
+            "total": self.total,
+            "counts": {s: self.counts[s] for s in ItemStatus.values},
+            "percent_done": self.percent_done,
+            "throughput_per_minute": self.throughput_per_minute,
+            "eta_seconds": self.eta_seconds,
+        }
+
+
+def progress_for(batch: Batch, *, now: datetime, chart: bool = False) -> Progress:
+    return progress_for_many([batch], now=now, chart=chart)[batch.pk]
+
+
+def progress_for_many(
+    batches: list[Batch], *, now: datetime, chart: bool = False
+) -> dict[int, Progress]:
+    """Progress of several batches in three or four queries in all."""
+    from jobs.models import Job, JobStatus
+
+    ids = [b.pk for b in batches]
+    counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    columns = [
+        *ItemStatus.values,
+        f"{ItemStatus.QUEUED}_ms",
+        f"{ItemStatus.TRANSCRIBING}_ms",
+    ]
+    for row in (
+        BatchCounter.objects.filter(batch_id__in=ids)
+        .values("batch_id")
+        .annotate(**{c: Sum(c) for c in columns})
+        .order_by()
+    ):
+        counts[row["batch_id"]].update({c: row[c] or 0 for c in columns})
+
+    history_start = minute_floor(now - (CHART_WINDOW if chart else RATE_WINDOW))
+    rate_start = minute_floor(now - RATE_WINDOW)
+    finished: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    done_by_minute: dict[int, dict[datetime, int]] = defaultdict(dict)
+    for row in (
+        BatchMinute.objects.filter(batch_id__in=ids, minute__gte=history_start)
+        .values("batch_id", "minute")
+        .annotate(
+            done=Sum("done"),
+            done_ms=Sum("done_ms"),
+            failed=Sum("failed"),
+            failed_ms=Sum("failed_ms"),
+        )
+        .order_by()
+    ):
+        done_by_minute[row["batch_id"]][row["minute"]] = row["done"]
+        if row["minute"] >= rate_start:
+            for key in ("done", "done_ms", "failed", "failed_ms"):
+                finished[row["batch_id"]][key] += row[key]
+    last_finish = dict(
+        BatchMinute.objects.filter(batch_id__in=ids)
+        .values("batch_id")
+        .annotate(last=Max("minute"))
+        .values_list("batch_id", "last")
+        .order_by()
+    )
+    last_heartbeat = dict(
+        Job.objects.filter(batch_id__in=ids, status=JobStatus.LEASED)
+        .values("batch_id")
+        .annotate(last=Max("heartbeat_at"))
+        .values_list("batch_id", "last")
+        .order_by()
+    )
+
+    stall_after = timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
+    result = {}
+    for batch in batches:
+        c = counts[batch.pk]
+        f = finished[batch.pk]
+        remaining = c[ItemStatus.QUEUED] + c[ItemStatus.TRANSCRIBING]
+        # A finish in minute m happened before m + 1 min; a heartbeat at its time.
+        activity = [t for t in (last_heartbeat.get(batch.pk),) if t]
+        if batch.pk in last_finish:
+            activity.append(min(last_finish[batch.pk] + timedelta(minutes=1), now))
+        last_activity = max(activity) if activity else None
+        stalled = is_stalled(
+            in_flight=c[ItemStatus.TRANSCRIBING],
+            last_activity=last_activity,
+            now=now,
+            after=stall_after,
+        )
+        state = batch_state(
+            cancelled=batch.cancelled_at is not None,
+            paused=batch.paused_at is not None,
+            remaining=remaining,
+            in_flight=c[ItemStatus.TRANSCRIBING],
+            stalled=stalled,
+        )
+        seconds = window_seconds(now, rate_start, batch.created_at)
+        done_rate = rate_per_second(f["done"], seconds)
+        eta, basis = _eta(batch, state, c, f, seconds)
+        result[batch.pk] = Progress(
+            batch=batch,
+            now=now,
+            counts={s: c[s] for s in ItemStatus.values},
+            state=state,
+            total=batch.total,
+            percent_done=percent(c[ItemStatus.DONE], batch.total),
+            throughput_per_minute=round(done_rate * 60, 1) if done_rate else 0.0,
+            eta_seconds=eta,
+            eta_basis=basis,
+            stalled=state == BatchState.STALLED,
+            last_activity=last_activity,
+            chart=chart_bars(done_by_minute[batch.pk], now, 60) if chart else [],
+        )
+    return result
+
+
+def _eta(
+    batch: Batch, state: str, c: dict[str, int], f: dict[str, int], seconds: float
+) -> tuple[int | None, str]:
+    """The ETA and a sentence saying how it was computed."""
+    remaining = c[ItemStatus.QUEUED] + c[ItemStatus.TRANSCRIBING]
+    if (
+        state in (BatchState.FINISHED, BatchState.CANCELLED)
+        and not c[ItemStatus.TRANSCRIBING]
+    ):
+        return (0 if state == BatchState.FINISHED else None), "Nothing left to do."
+    if state == BatchState.PAUSED:
+        return None, "Unknown while the batch is paused."
+    window = format_duration(seconds)
+    if batch.durations_known:
+        remaining_ms = c[f"{ItemStatus.QUEUED}_ms"] + c[f"{ItemStatus.TRANSCRIBING}_ms"]
+        rate = rate_per_second(f["done_ms"] + f["failed_ms"], seconds)
+        eta = eta_seconds(remaining_ms, rate)
+        if eta is None:
+            return None, f"Unknown: no item finished in the last {window}."
+        return eta, (
+            f"{format_duration(remaining_ms / 1000)} of audio left in {remaining} "
+            f"items, at {rate / 1000:.1f} s of audio finished per second (done or "
+            f"failed) over the last {window}."
+        )
+    rate = rate_per_second(f["done"] + f["failed"], seconds)
+    eta = eta_seconds(remaining, rate)
+    if eta is None:
+        return None, f"Unknown: no item finished in the last {window}."
+    return eta, (
+        f"{remaining} items left, at {rate * 60:.1f} items per minute finished "
+        f"(done or failed) over the last {window}."
+    )
