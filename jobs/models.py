@@ -358,6 +358,8 @@ class JobQuerySet(models.QuerySet):
         # Rows another transaction held a moment ago: wait for them this once.
         while n := self.cancel_batch_chunk(batch.pk, now=now, wait=True):
             total += n
+        # Mark it finished now, so claims stop checking it for an unfinished cancel.
+        Batch.objects.filter(pk=batch.pk).settle(now=now)
         return total
 
     def cancel_batch_chunk(

@@ -183,6 +183,10 @@ RECALL_STALLED_AFTER_SECONDS = env.int(
 RECALL_THROUGHPUT_RETENTION_HOURS = env.int(
     "RECALL_THROUGHPUT_RETENTION_HOURS", default=48
 )
+# Largest manifest file the web form accepts (the command has no byte limit).
+RECALL_MAX_MANIFEST_BYTES = env.int(
+    "RECALL_MAX_MANIFEST_BYTES", default=100 * 1024 * 1024
+)
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 

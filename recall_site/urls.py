@@ -1,6 +1,6 @@
 from django.contrib import admin
-from django.urls import path, re_path
-from django.views.generic import RedirectView
+from django.contrib.auth import views as auth_views
+from django.urls import include, path, re_path
 
 from jobs import api
 
@@ -12,7 +12,9 @@ urlpatterns = [
     path("api/v1/jobs/<int:job_id>/release", api.release, name="api-release"),
     re_path(r"^api/", api.not_found),
     path("admin/", admin.site.urls),
-    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", include("batches.urls")),
 ]
 
 handler500 = "recall_site.views.server_error"

@@ -11,6 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 export SECRET_KEY="${SECRET_KEY:-test-only-not-a-secret}"
+# The test servers speak plain HTTP (production settings are checked separately,
+# in tests/test_settings.py, with their HTTPS defaults).
+export RECALL_HTTPS=off
 export DJANGO_ALLOW_ASYNC_UNSAFE=true
 TEST_DATABASE_URL="${TEST_DATABASE_URL:-postgres://root@127.0.0.1:5432/recall}"
 mkdir -p var/static

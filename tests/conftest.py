@@ -35,8 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _test_settings(settings):
-    """The test client speaks plain HTTP, and static files are not collected."""
-    settings.SECURE_SSL_REDIRECT = False
+    """Static files are not collected for tests: serve them from the sources."""
     settings.STORAGES = {
         **settings.STORAGES,
         "staticfiles": {

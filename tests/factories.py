@@ -166,3 +166,19 @@ def claim(worker: Worker, now: datetime = T0) -> Job:
     job = Job.objects.claim_next(worker, now=now)
     assert job is not None, "expected a claimable job"
     return job
+
+
+def make_user(username: str, *groups: str, **extra):
+    """A user in the given groups (Viewers, Operators), or a superuser."""
+    from django.contrib.auth.models import Group, User
+
+    from batches.roles import ensure_groups
+
+    if extra.pop("superuser", False):
+        return User.objects.create_superuser(username, f"{username}@example.com", "pw")
+    user = User.objects.create_user(username, password="pw", **extra)
+    if groups and not Group.objects.filter(name__in=groups).exists():
+        ensure_groups()  # a transactional test's flush removed the migrated groups
+    for name in groups:
+        user.groups.add(Group.objects.get(name=name))
+    return user

@@ -1,0 +1,510 @@
+"""Operator pages: batches, batch detail, items, intake, actions and exports.
+
+Thin views: check the permission, parse the input, call one model method,
+render. Every page needs a login and ``batches.view_batch``; actions are POST
+with CSRF and their own permission. The live regions of a page are rendered by
+the same templates as the page, so the page works without JavaScript and the
+refreshing script only swaps fragments.
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+from functools import wraps
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required, permission_required
+from django.core.exceptions import RequestDataTooBig
+from django.core.paginator import Paginator
+from django.db import transaction
+from django.db.models import Max, OuterRef, Q, Subquery, Sum
+from django.db.models.functions import Coalesce
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    JsonResponse,
+    StreamingHttpResponse,
+)
+from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import filesizeformat
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt, csrf_protect
+from django.views.decorators.http import require_GET, require_POST
+
+from jobs.models import Event, Job, JobStatus
+
+from . import exports
+from .forms import ItemFilterForm, NewBatchForm
+from .intake import ManifestInvalid, create_batch
+from .models import Batch, BatchCounter, BatchItem, BatchMinute
+from .progress import BatchState, format_duration, progress_for, progress_for_many
+
+ITEMS_PER_PAGE = 50
+BATCHES_PER_PAGE = 25
+# Status code that tells the refreshing script (and htmx) to stop polling.
+STOP_POLLING = 286
+
+
+def viewer_required(view):
+    """Logged in (else to the login page) and allowed to view batches (else 403)."""
+
+    @login_required
+    @permission_required("batches.view_batch", raise_exception=True)
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        return view(request, *args, **kwargs)
+
+    return wrapper
+
+
+def fragment(response: HttpResponse, *, final: bool) -> HttpResponse:
+    """Mark a live fragment; 286 when it will not change any more."""
+    response["X-Recall-Fragment"] = "1"
+    response["Cache-Control"] = "no-store"
+    if final:
+        response.status_code = STOP_POLLING
+    return response
+
+
+# --- Batches list ------------------------------------------------------------------
+
+
+def _batches(request: HttpRequest):
+    """The filtered batches (state, name search), newest first."""
+    now = timezone.now()
+    counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
+    leased = Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
+    batches = Batch.objects.annotate(
+        remaining=Coalesce(
+            Subquery(
+                counters.annotate(n=Sum("queued") + Sum("transcribing")).values("n")
+            ),
+            0,
+        ),
+        in_flight=Coalesce(
+            Subquery(counters.annotate(n=Sum("transcribing")).values("n")), 0
+        ),
+    ).order_by("-created_at", "-pk")
+    q = request.GET.get("q", "").strip().replace("\x00", "")
+    if q:
+        batches = batches.filter(name__icontains=q)
+    state = request.GET.get("state", "")
+    live = Q(cancelled_at__isnull=True, remaining__gt=0)
+    if state == BatchState.CANCELLED:
+        batches = batches.filter(cancelled_at__isnull=False)
+    elif state == BatchState.FINISHED:
+        batches = batches.filter(cancelled_at__isnull=True, remaining=0)
+    elif state == BatchState.PAUSED:
+        batches = batches.filter(live, paused_at__isnull=False)
+    elif state in (BatchState.RUNNING, BatchState.STALLED):
+        cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
+        batches = batches.annotate(
+            last_heartbeat=Subquery(
+                leased.values("batch").annotate(m=Max("heartbeat_at")).values("m")
+            ),
+            last_finish=Subquery(
+                BatchMinute.objects.filter(batch=OuterRef("pk"))
+                .values("batch")
+                .annotate(m=Max("minute"))
+                .values("m")
+            ),
+        )
+        quiet = (
+            Q(in_flight__gt=0)
+            & (Q(last_heartbeat__isnull=True) | Q(last_heartbeat__lt=cutoff))
+            & (
+                Q(last_finish__isnull=True)
+                | Q(last_finish__lt=cutoff - timedelta(minutes=1))
+            )
+        )
+        batches = batches.filter(live, paused_at__isnull=True)
+        batches = (
+            batches.filter(quiet)
+            if state == BatchState.STALLED
+            else batches.exclude(quiet)
+        )
+    return batches, q, state
+
+
+def _list_context(request: HttpRequest) -> dict:
+    batches, q, state = _batches(request)
+    page = Paginator(batches, BATCHES_PER_PAGE).get_page(request.GET.get("page"))
+    progress = progress_for_many(list(page), now=timezone.now())
+    rows = [progress[b.pk] for b in page]
+    return {
+        "page": page,
+        "rows": rows,
+        "q": q,
+        "state": state,
+        "states": BatchState.ALL,
+        "final": all(p.is_final for p in rows),
+        "query": request.GET.urlencode(),
+        "nav": "batches",
+    }
+
+
+@require_GET
+@viewer_required
+def batch_list(request: HttpRequest) -> HttpResponse:
+    return render(request, "batches/list.html", _list_context(request))
+
+
+@require_GET
+@viewer_required
+def batch_list_live(request: HttpRequest) -> HttpResponse:
+    context = _list_context(request)
+    response = render(request, "batches/_list_live.html", context)
+    return fragment(response, final=context["final"])
+
+
+# --- Batch detail --------------------------------------------------------------------
+
+
+def _items(batch: Batch, form: ItemFilterForm, counts: dict[str, int]):
+    items = (
+        BatchItem.objects.filter(batch=batch)
+        .select_related("job")
+        .only("id", "source", "status", "updated_at", "job__id", "job__attempts")
+        .order_by("pk")
+    )
+    state = form.cleaned_data.get("state") if form.is_valid() else ""
+    q = form.cleaned_data.get("q") if form.is_valid() else ""
+    if state:
+        items = items.filter(status=state)
+    if q:
+        items = items.filter(source__icontains=q)
+        return items, None
+    # Without a search, the counters already know how many rows match.
+    return items, counts[state] if state else sum(counts.values())
+
+
+class _KnownCountPaginator(Paginator):
+    def __init__(self, object_list, per_page, count: int | None):
+        super().__init__(object_list, per_page)
+        self._known = count
+
+    @property
+    def count(self) -> int:
+        return self._known if self._known is not None else super().count
+
+
+def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -> dict:
+    now = timezone.now()
+    progress = progress_for(batch, now=now, chart=chart)
+    form = ItemFilterForm(request.GET)
+    items, count = _items(batch, form, progress.counts)
+    page = _KnownCountPaginator(items, ITEMS_PER_PAGE, count).get_page(
+        request.GET.get("page")
+    )
+    user = request.user
+    return {
+        "batch": batch,
+        "progress": progress,
+        "eta_text": format_duration(progress.eta_seconds),
+        "chart": _chart(progress.chart) if chart else None,
+        "form": form,
+        "page": page,
+        "filtered": bool(
+            form.is_valid() and (form.cleaned_data["q"] or form.cleaned_data["state"])
+        ),
+        # A text search scans the batch's sources: it is not re-run every few seconds.
+        "searching": bool(form.is_valid() and form.cleaned_data["q"]),
+        "query": request.GET.urlencode(),
+        "can_operate": user.has_perm("batches.operate_batch"),
+        "can_export": user.has_perm("batches.export_batch"),
+        "stalled_after": format_duration(settings.RECALL_STALLED_AFTER_SECONDS),
+        "nav": "batches",
+    }
+
+
+def _chart(bars) -> dict:
+    """Geometry of the throughput chart (an inline SVG, one bar per minute)."""
+    width, height, gap = 600, 120, 2
+    top = max((n for _, n in bars), default=0)
+    bar = width / max(len(bars), 1)
+    return {
+        "width": width,
+        "height": height,
+        "top": top,
+        "total": sum(n for _, n in bars),
+        "bars": [
+            {
+                "x": round(i * bar, 1),
+                "w": round(bar - gap, 1),
+                "h": round(height * n / top, 1) if top else 0,
+                "y": round(height - (height * n / top), 1) if top else height,
+                "n": n,
+                "minute": minute,
+            }
+            for i, (minute, n) in enumerate(bars)
+        ],
+    }
+
+
+@require_GET
+@viewer_required
+def batch_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    batch = get_object_or_404(Batch, pk=pk)
+    return render(request, "batches/detail.html", _detail_context(request, batch))
+
+
+@require_GET
+@viewer_required
+def batch_live(request: HttpRequest, pk: int) -> HttpResponse:
+    batch = get_object_or_404(Batch, pk=pk)
+    context = _detail_context(request, batch)
+    response = render(request, "batches/_detail_live.html", context)
+    return fragment(response, final=context["progress"].is_final)
+
+
+@require_GET
+@viewer_required
+def batch_items_live(request: HttpRequest, pk: int) -> HttpResponse:
+    batch = get_object_or_404(Batch, pk=pk)
+    context = _detail_context(request, batch, chart=False)
+    response = render(request, "batches/_items.html", context)
+    return fragment(response, final=context["progress"].is_final)
+
+
+@require_GET
+@viewer_required
+def batch_progress(request: HttpRequest, pk: int) -> JsonResponse:
+    batch = get_object_or_404(Batch, pk=pk)
+    response = JsonResponse(progress_for(batch, now=timezone.now()).as_json())
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+# --- Item detail ---------------------------------------------------------------------
+
+
+@require_GET
+@viewer_required
+def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    item = get_object_or_404(
+        BatchItem.objects.select_related("batch", "job__leased_by"), pk=pk
+    )
+    job = item.job
+    leases = job.leases.select_related("worker").order_by("claimed_at", "pk")
+    events = job.events.select_related("actor").order_by("-created_at", "-pk")
+    result = job.result or {}
+    text = result.get("text", "") if isinstance(result, dict) else ""
+    return render(
+        request,
+        "batches/item.html",
+        {
+            "item": item,
+            "batch": item.batch,
+            "job": job,
+            "leases": leases,
+            "events": events,
+            "transcript": text[:5000],
+            "transcript_truncated": len(text) > 5000,
+            "segments": len(result.get("segments") or [])
+            if isinstance(result, dict)
+            else 0,
+            "language": result.get("language", "") if isinstance(result, dict) else "",
+            "now": timezone.now(),
+            "nav": "batches",
+        },
+    )
+
+
+# --- Intake -------------------------------------------------------------------------
+
+
+@login_required
+@permission_required("batches.add_batch", raise_exception=True)
+@csrf_exempt  # checked inside, where an oversized body can get a clear answer
+def batch_new(request: HttpRequest) -> HttpResponse:
+    try:
+        return _batch_new(request)
+    except RequestDataTooBig:
+        # Nothing is read or written: the body was refused before the form saw it.
+        limit = filesizeformat(settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+        return _new_form(
+            request,
+            NewBatchForm(),
+            top_errors=[
+                f"The pasted text is larger than {limit}; upload it as a file instead."
+            ],
+            status=413,
+        )
+
+
+@csrf_protect
+def _batch_new(request: HttpRequest) -> HttpResponse:
+    if request.method == "GET":
+        return _new_form(request, NewBatchForm())
+    if request.method != "POST":
+        return HttpResponse(status=405, headers={"Allow": "GET, POST"})
+    form = NewBatchForm(request.POST, request.FILES)
+    if not form.is_valid():
+        return _new_form(request, form, status=400)
+    try:
+        batch = create_batch(
+            form.cleaned_data["name"],
+            _opener(form.cleaned_data),
+            priority=form.cleaned_data["priority"],
+            created_by=request.user,
+        )
+    except ManifestInvalid as invalid:
+        return _new_form(
+            request,
+            form,
+            top_errors=[
+                f"The manifest has {invalid.total_errors} problem(s); nothing was "
+                f"created. Fix them and submit again."
+            ],
+            line_errors=invalid.errors,
+            more_errors=invalid.total_errors - len(invalid.errors),
+            status=400,
+        )
+    messages.success(request, f"Created batch “{batch.name}” with {batch.total} items.")
+    return redirect("batch-detail", pk=batch.pk)
+
+
+def _new_form(
+    request: HttpRequest,
+    form: NewBatchForm,
+    *,
+    top_errors: list[str] = (),
+    line_errors: list = (),
+    more_errors: int = 0,
+    status: int = 200,
+) -> HttpResponse:
+    return render(
+        request,
+        "batches/new.html",
+        {
+            "form": form,
+            "top_errors": [*top_errors, *form.non_field_errors()],
+            "line_errors": line_errors,
+            "more_errors": more_errors,
+            "max_bytes": settings.RECALL_MAX_MANIFEST_BYTES,
+            "max_items": settings.RECALL_MAX_MANIFEST_ITEMS,
+            "nav": "new",
+        },
+        status=status,
+    )
+
+
+def _opener(cleaned: dict):
+    """A fresh iterable of the manifest's lines, as often as intake asks."""
+    upload = cleaned.get("manifest")
+    if upload:
+
+        def lines():
+            upload.seek(0)
+            return iter(upload)
+
+        return lines
+    text = cleaned["sources"]
+    return lambda: io.StringIO(text)
+
+
+# --- Actions ------------------------------------------------------------------------
+
+
+def operator_action(view):
+    """POST, logged in, ``batches.operate_batch`` (403 otherwise)."""
+
+    @require_POST
+    @login_required
+    @permission_required("batches.operate_batch", raise_exception=True)
+    @wraps(view)
+    def wrapper(request, pk):
+        batch = get_object_or_404(Batch, pk=pk)
+        view(request, batch)
+        return redirect(_back(request, batch))
+
+    return wrapper
+
+
+def _back(request: HttpRequest, batch: Batch) -> str:
+    query = request.POST.get("return_query", "")
+    url = reverse("batch-detail", args=[batch.pk])
+    return f"{url}?{query}" if query and "\n" not in query else url
+
+
+@operator_action
+def batch_pause(request: HttpRequest, batch: Batch) -> None:
+    with transaction.atomic():
+        if batch.pause():
+            _event(request, batch, Event.Kind.BATCH_PAUSED, "Batch paused.")
+            messages.success(
+                request, "Paused: no new work is handed out; leases in flight finish."
+            )
+        else:
+            messages.info(request, "The batch was already paused.")
+
+
+@operator_action
+def batch_resume(request: HttpRequest, batch: Batch) -> None:
+    with transaction.atomic():
+        if batch.resume():
+            _event(request, batch, Event.Kind.BATCH_RESUMED, "Batch resumed.")
+            messages.success(request, "Resumed.")
+        else:
+            messages.info(request, "The batch was not paused.")
+
+
+@operator_action
+def batch_cancel(request: HttpRequest, batch: Batch) -> None:
+    if batch.cancelled_at:
+        messages.info(request, "The batch was already cancelled.")
+        return
+    cancelled = Job.objects.cancel_batch(batch, actor=request.user)
+    messages.success(
+        request,
+        f"Cancelled: {cancelled} queued or in-flight item(s) cancelled. "
+        f"Finished items keep their results.",
+    )
+
+
+@operator_action
+def batch_retry(request: HttpRequest, batch: Batch) -> None:
+    if batch.cancelled_at:
+        messages.error(request, "A cancelled batch cannot be retried.")
+        return
+    jobs = Job.objects.filter(batch=batch)
+    q = request.POST.get("q", "").strip().replace("\x00", "")
+    if q:
+        jobs = jobs.filter(item__source__icontains=q)
+    queued = jobs.retry_failed(actor=request.user)
+    scope = f" matching “{q}”" if q else ""
+    messages.success(
+        request, f"Queued {queued} failed item(s){scope} again, with fresh attempts."
+    )
+
+
+def _event(request: HttpRequest, batch: Batch, kind: str, message: str) -> None:
+    Event.objects.create(kind=kind, batch=batch, actor=request.user, message=message)
+
+
+# --- Exports -------------------------------------------------------------------------
+
+EXPORTS = {
+    "csv": ("text/csv; charset=utf-8", exports.csv_lines),
+    "jsonl": ("application/x-ndjson; charset=utf-8", exports.jsonl_lines),
+    "zip": ("application/zip", exports.transcripts_zip),
+}
+
+
+@require_GET
+@login_required
+@permission_required("batches.export_batch", raise_exception=True)
+def batch_export(request: HttpRequest, pk: int, fmt: str) -> StreamingHttpResponse:
+    if fmt not in EXPORTS:
+        raise Http404("No such export format.")
+    batch = get_object_or_404(Batch, pk=pk)
+    content_type, generate = EXPORTS[fmt]
+    name = f"batch-{batch.pk}-{'transcripts' if fmt == 'zip' else 'items'}.{fmt}"
+    response = StreamingHttpResponse(generate(batch), content_type=content_type)
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    response["Cache-Control"] = "no-store"
+    return response

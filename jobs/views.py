@@ -1,0 +1,80 @@
+"""The workers page: who is working, on what, and how reliably."""
+
+from __future__ import annotations
+
+from django.db.models import Count, OuterRef, Prefetch, Subquery
+from django.db.models.functions import Coalesce
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+
+from batches.views import viewer_required
+
+from .models import Job, JobStatus, Lease, LeaseEnd, Worker
+
+FLAKY_MIN_EXPIRED = 3
+FLAKY_SHARE = 20  # percent of its finished leases
+
+
+def _ended(reason: str):
+    return Coalesce(
+        Subquery(
+            Lease.objects.filter(worker=OuterRef("pk"), end_reason=reason)
+            .order_by()
+            .values("worker")
+            .annotate(n=Count("pk"))
+            .values("n")
+        ),
+        0,
+    )
+
+
+@require_GET
+@viewer_required
+def worker_list(request: HttpRequest) -> HttpResponse:
+    """Each worker with its live leases and how its past leases ended; a box
+    whose leases keep expiring stands out."""
+    workers = (
+        Worker.objects.annotate(
+            completed=_ended(LeaseEnd.COMPLETED),
+            expired=_ended(LeaseEnd.EXPIRED),
+            failed=_ended(LeaseEnd.FAILED),
+            lease_count=Coalesce(
+                Subquery(
+                    Lease.objects.filter(worker=OuterRef("pk"))
+                    .order_by()
+                    .values("worker")
+                    .annotate(n=Count("pk"))
+                    .values("n")
+                ),
+                0,
+            ),
+        )
+        .prefetch_related(
+            Prefetch(
+                "current_jobs",
+                queryset=Job.objects.filter(status=JobStatus.LEASED)
+                .select_related("item", "batch")
+                .order_by("pk"),
+            )
+        )
+        .order_by("-is_active", "name")
+    )
+    rows = []
+    for worker in workers:
+        ended = worker.lease_count - len(worker.current_jobs.all())
+        share = round(100 * worker.expired / ended) if ended > 0 else 0
+        rows.append(
+            {
+                "worker": worker,
+                "expired_share": share,
+                # A box whose leases keep running out (crashes, power, network).
+                "flaky": worker.expired >= FLAKY_MIN_EXPIRED and share >= FLAKY_SHARE,
+            }
+        )
+    return render(
+        request,
+        "jobs/workers.html",
+        {"rows": rows, "now": timezone.now(), "nav": "workers"},
+    )

@@ -1,0 +1,175 @@
+"""The operator's day, in a real browser: log in, create a batch by uploading a
+manifest, watch a completion arrive through the worker API without reloading,
+pause and resume, and see the refresh control and polling behave."""
+
+import json
+import urllib.request
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from jobs.models import Worker
+
+from ..factories import make_user
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.postgres,
+    pytest.mark.django_db(transaction=True),
+]
+
+
+class Api:
+    """A worker talking to the live server over real HTTP."""
+
+    def __init__(self, base: str):
+        _, self.token = Worker.objects.create_with_token("browser-test-worker")
+        self.base = base
+
+    def post(self, path: str, body: dict) -> tuple[int, dict | None]:
+        request = urllib.request.Request(
+            self.base + path,
+            data=json.dumps(body).encode(),
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": "application/json",
+            },
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+
+    def claim(self) -> tuple[int, dict | None]:
+        return self.post("/api/v1/claim", {})
+
+    def complete(self, job: dict) -> None:
+        status, _ = self.post(
+            f"/api/v1/jobs/{job['id']}/complete",
+            {
+                "lease_token": job["lease_token"],
+                "result": {"text": "hello from the browser test"},
+            },
+        )
+        assert status == 200
+
+
+@pytest.fixture
+def logged_in(page: Page, live_server) -> Page:
+    make_user("operator", "Operators")
+    page.goto(f"{live_server.url}/accounts/login/")
+    page.get_by_label("Username").fill("operator")
+    page.get_by_label("Password").fill("pw")
+    page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Batches")).to_be_visible()
+    return page
+
+
+def _create_batch(page: Page, live_server, tmp_path, lines: int = 3) -> None:
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text(
+        "source,duration_seconds\n"
+        + "".join(f"/audio/{i}.wav,{10 + i}\n" for i in range(lines))
+    )
+    page.get_by_role("link", name="New batch").first.click()
+    page.get_by_label("Name").fill("Browser batch")
+    page.get_by_label("Manifest").set_input_files(str(manifest))
+    page.get_by_role("button", name="Create batch").click()
+    expect(page.get_by_role("heading", name="Browser batch")).to_be_visible()
+
+
+def test_counts_and_bar_update_without_a_reload(
+    logged_in: Page, live_server, tmp_path, artifacts
+):
+    page = logged_in
+    _create_batch(page, live_server, tmp_path)
+    expect(page.locator('[data-count="queued"]')).to_have_text("3")
+    page.evaluate("window.__marker = 'same page'")
+    api = Api(live_server.url)
+
+    status, body = api.claim()
+    assert status == 200
+    expect(page.locator('[data-count="transcribing"]')).to_have_text(
+        "1", timeout=10_000
+    )
+    api.complete(body["job"])
+
+    expect(page.locator('[data-count="done"]')).to_have_text("1", timeout=10_000)
+    expect(page.locator('[data-count="queued"]')).to_have_text("2")
+    expect(page.locator("[data-percent]")).to_have_text("33.3% done")
+    expect(page.locator("#batch-live .bar .seg-done")).to_have_count(1)
+    expect(page.locator("#items-live .state-done")).to_have_count(1)
+    assert page.evaluate("window.__marker") == "same page"  # never reloaded
+    page.screenshot(path=str(artifacts / "batch-page.png"), full_page=True)
+
+
+def test_pause_and_resume(logged_in: Page, live_server, tmp_path):
+    page = logged_in
+    _create_batch(page, live_server, tmp_path)
+    api = Api(live_server.url)
+
+    page.get_by_role("button", name="Pause").click()
+
+    expect(page.locator("#batch-live .headline .state")).to_have_text("paused")
+    expect(page.get_by_role("status")).to_contain_text(
+        "Paused: no new work is handed out"
+    )
+    assert api.claim()[0] == 204
+
+    page.get_by_role("button", name="Resume").click()
+
+    expect(page.locator("#batch-live .headline .state")).to_have_text("running")
+    assert api.claim()[0] == 200
+
+
+def test_refresh_control_and_polling_stop_when_finished(
+    logged_in: Page, live_server, tmp_path
+):
+    page = logged_in
+    _create_batch(page, live_server, tmp_path, lines=1)
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "/live" in r.url else None)
+
+    select = page.get_by_label("Refresh")
+    expect(select).to_be_visible()
+    with page.expect_request(lambda r: "/live" in r.url, timeout=10_000):
+        pass
+    select.select_option("off")
+    page.wait_for_timeout(300)  # a fetch already in flight may still land
+    before = len(requests)
+    page.wait_for_timeout(5_000)  # longer than any interval: nothing may be fetched
+    assert len(requests) == before
+    expect(page.locator("[data-refresh-status]")).to_have_text("paused")
+
+    # The choice is remembered across pages.
+    page.reload()
+    expect(page.get_by_label("Refresh")).to_have_value("off")
+    page.get_by_label("Refresh").select_option("2")
+
+    api = Api(live_server.url)
+    _, body = api.claim()
+    api.complete(body["job"])
+    expect(page.locator("#batch-live .headline .state")).to_have_text(
+        "finished", timeout=10_000
+    )
+    expect(page.locator("#batch-live")).to_have_attribute("data-live-final", "1")
+    expect(page.locator("[data-refresh-status]")).to_have_text(
+        "up to date", timeout=10_000
+    )
+    settled = len(requests)
+    page.wait_for_timeout(5_000)
+    assert len(requests) == settled
+
+
+def test_pages_work_without_javascript(browser, live_server, tmp_path):
+    make_user("viewer", "Viewers")
+    context = browser.new_context(java_script_enabled=False)
+    page = context.new_page()
+    page.goto(f"{live_server.url}/accounts/login/")
+    page.get_by_label("Username").fill("viewer")
+    page.get_by_label("Password").fill("pw")
+    page.get_by_role("button", name="Log in").click()
+
+    expect(page.get_by_role("heading", name="Batches")).to_be_visible()
+    expect(page.locator("[data-refresh-control]")).to_be_hidden()
+    context.close()
