@@ -16,7 +16,6 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -82,11 +81,7 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
             return error.response()
         except LeaseLost as error:
             return error_response(409, "lease_lost", str(error))
-        except (OperationalError, InterfaceError):
-            log.exception("database unavailable")
-            return error_response(
-                503, "unavailable", "The database is unavailable; retry with backoff."
-            )
+        # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
     return wrapper
 

@@ -49,6 +49,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "recall_site.middleware.HealthCheckMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -57,6 +58,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "recall_site.middleware.DatabaseUnavailableMiddleware",
 ]
 
 ROOT_URLCONF = "recall_site.urls"
@@ -86,6 +88,11 @@ DEFAULT_SQLITE_URL = f"sqlite:///{VAR_DIR / 'recall.sqlite3'}"
 DATABASES = {"default": env.db_url("DATABASE_URL", default=DEFAULT_SQLITE_URL)}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # Fail fast while the server is down: requests answer 503 instead of hanging.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+        "connect_timeout", env.int("DATABASE_CONNECT_TIMEOUT", default=5)
+    )
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {
@@ -182,6 +189,10 @@ RECALL_STALLED_AFTER_SECONDS = env.int(
 # Per-minute throughput history kept for charts and ETAs.
 RECALL_THROUGHPUT_RETENTION_HOURS = env.int(
     "RECALL_THROUGHPUT_RETENTION_HOURS", default=48
+)
+# /readyz fails when the last sweep finished longer ago than this.
+RECALL_READY_MAX_SWEEP_AGE_SECONDS = env.int(
+    "RECALL_READY_MAX_SWEEP_AGE_SECONDS", default=300
 )
 # Largest manifest file the web form accepts (the command has no byte limit).
 RECALL_MAX_MANIFEST_BYTES = env.int(

@@ -1,0 +1,59 @@
+"""Site-wide middleware: health probes, and a clear 503 when the database is down."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import InterfaceError, OperationalError
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.template.loader import render_to_string
+
+from . import health
+
+log = logging.getLogger("recall.site")
+
+
+class HealthCheckMiddleware:
+    """Answer /healthz and /readyz first, before host validation, sessions or
+    HTTPS redirects: load balancers and Kubernetes probe by IP over plain HTTP."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if request.path == "/healthz":
+            return health.healthz(request)
+        if request.path == "/readyz":
+            return health.readyz(request)
+        return self.get_response(request)
+
+
+class DatabaseUnavailableMiddleware:
+    """Turn a lost database connection into 503 (JSON for the API), not a 500.
+
+    Django reconnects by itself on the next request (CONN_HEALTH_CHECKS), so the
+    same processes serve again as soon as the database is back.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception):
+        if not isinstance(exception, OperationalError | InterfaceError):
+            return None
+        log.error("database unavailable: %s", exception)
+        if request.path.startswith("/api/"):
+            response = JsonResponse(
+                {
+                    "error": "unavailable",
+                    "detail": "The database is unavailable; retry with backoff.",
+                },
+                status=503,
+            )
+        else:
+            response = HttpResponse(render_to_string("503.html"), status=503)
+        response["Retry-After"] = "5"
+        return response
