@@ -124,9 +124,11 @@ def test_items_table_filters_and_counts_from_the_counters(viewer_client, worker)
     ).content.decode()
     assert failed.count('class="state state-failed"') == 3
     queued = viewer_client.get(
-        f"/batches/{batch.pk}/items/live?state=queued&page=3"
+        f"/batches/{batch.pk}/items/live?state=queued&last=1"
     ).content.decode()
-    assert "Page 3 of 3 · 117 in all" in queued
+    assert "· 117 in all" in queued
+    assert queued.count('class="state state-queued"') == 50
+    assert "Next →" not in queued and "← Previous" in queued
     search = viewer_client.get(f"/batches/{batch.pk}/?q=batch-11").content.decode()
     assert sorted(set(re.findall(r"/audio/(batch-11\d*)\.wav", search))) == [
         "batch-11"
@@ -274,3 +276,33 @@ def test_pages_take_a_fixed_number_of_queries(
         viewer_client.get("/")
     with django_assert_max_num_queries(12):
         viewer_client.get("/workers/")
+
+
+def test_items_pages_by_keyset_forward_and_back(viewer_client):
+    batch = make_batch(120)
+    ids = list(batch.items.order_by("pk").values_list("pk", flat=True))
+
+    def shown(query):
+        page = viewer_client.get(
+            f"/batches/{batch.pk}/items/live?{query}"
+        ).content.decode()
+        return [
+            int(i)
+            for i in re.findall(r'<td class="num"><a href="/items/(\d+)/">', page)
+        ], page
+
+    first, page = shown("")
+    assert first == ids[:50]
+    assert "« First" not in page and f"after={ids[49]}" in page
+    second, page = shown(f"after={ids[49]}")
+    assert second == ids[50:100]
+    assert f"before={ids[50]}" in page
+    third, page = shown(f"after={ids[99]}")
+    assert third == ids[100:]
+    assert "Next →" not in page
+    back, _ = shown(f"before={ids[100]}")
+    assert back == ids[50:100]
+    last, _ = shown("last=1")
+    assert last == ids[70:]
+    bad, _ = shown("after=abc&before=99999999999999999999999")
+    assert bad == ids[:50]
