@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from jobs import api
+from jobs import api, openapi
 
 urlpatterns = [
     path("api/v1/claim", api.claim, name="api-claim"),
@@ -10,6 +10,7 @@ urlpatterns = [
     path("api/v1/jobs/<int:job_id>/complete", api.complete, name="api-complete"),
     path("api/v1/jobs/<int:job_id>/fail", api.fail, name="api-fail"),
     path("api/v1/jobs/<int:job_id>/release", api.release, name="api-release"),
+    path("api/v1/openapi.json", openapi.openapi, name="api-openapi"),
     re_path(r"^api/", api.not_found),
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),

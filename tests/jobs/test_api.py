@@ -399,3 +399,18 @@ def test_unknown_fields_are_ignored(api):
     )
 
     assert response.status_code == 200
+
+
+def test_the_openapi_description_is_served_and_covers_every_endpoint(db):
+    response = Client().get("/api/v1/openapi.json")
+
+    spec = response.json()
+    assert spec["openapi"].startswith("3.")
+    assert set(spec["paths"]) == {
+        "/api/v1/claim",
+        "/api/v1/jobs/{job_id}/heartbeat",
+        "/api/v1/jobs/{job_id}/complete",
+        "/api/v1/jobs/{job_id}/fail",
+        "/api/v1/jobs/{job_id}/release",
+    }
+    assert spec["components"]["securitySchemes"]["workerToken"]["scheme"] == "bearer"

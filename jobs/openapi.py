@@ -1,0 +1,300 @@
+"""OpenAPI 3 description of the worker API v1, served at /api/v1/openapi.json.
+
+It is the contract the API is fuzzed against (tests/jobs/test_api_fuzz.py):
+every documented response is the only kind of response a request can get.
+"""
+
+from __future__ import annotations
+
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.http import require_GET
+
+ERROR_CODES = [
+    "bad_request",
+    "unauthorized",
+    "forbidden",
+    "not_found",
+    "method_not_allowed",
+    "lease_lost",
+    "payload_too_large",
+    "unavailable",
+    "internal_error",
+]
+
+
+def _error(description: str) -> dict:
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+        },
+    }
+
+
+def _json(schema_ref: str, description: str = "OK") -> dict:
+    return {
+        "description": description,
+        "content": {
+            "application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema_ref}"}
+            }
+        },
+    }
+
+
+ERRORS = {
+    "400": _error(
+        "Malformed JSON, not an object, a missing or ill-typed field, NUL bytes."
+    ),
+    "401": _error("Missing or unknown worker token."),
+    "403": _error("The worker is disabled."),
+    "413": _error("The body is larger than the configured limit."),
+    "503": _error("The database is unavailable; retry with backoff."),
+}
+JOB_ERRORS = {
+    **ERRORS,
+    "404": _error("No such job."),
+    "409": _error("The caller does not hold the job's live lease: stop working on it."),
+}
+JOB_ID = {
+    "name": "job_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "integer", "minimum": 0},
+}
+TOKEN = {"type": "string", "minLength": 1, "maxLength": 256}
+
+
+def _body(schema_ref: str) -> dict:
+    return {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema_ref}"}
+            }
+        },
+    }
+
+
+SPEC = {
+    "openapi": "3.0.3",
+    "info": {
+        "title": "Recall worker API",
+        "version": "1",
+        "description": (
+            "Workers claim a job under a time-limited lease, heartbeat every "
+            "heartbeat_interval seconds, then complete, fail or release it. Every "
+            "call needs 'Authorization: Bearer <worker token>'."
+        ),
+    },
+    "servers": [{"url": "/"}],
+    "security": [{"workerToken": []}],
+    "paths": {
+        "/api/v1/claim": {
+            "post": {
+                "operationId": "claim",
+                "summary": "Lease the next claimable job.",
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/ClaimRequest"}
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("Claimed", "A job, leased to the caller."),
+                    "204": {
+                        "description": "Nothing is claimable now; poll again later."
+                    },
+                    **ERRORS,
+                },
+            }
+        },
+        "/api/v1/jobs/{job_id}/heartbeat": {
+            "post": {
+                "operationId": "heartbeat",
+                "summary": "Extend the lease.",
+                "parameters": [JOB_ID],
+                "requestBody": _body("LeaseRequest"),
+                "responses": {"200": _json("Heartbeat"), **JOB_ERRORS},
+            }
+        },
+        "/api/v1/jobs/{job_id}/complete": {
+            "post": {
+                "operationId": "complete",
+                "summary": "Store the result; idempotent for the token that completed it.",
+                "parameters": [JOB_ID],
+                "requestBody": _body("CompleteRequest"),
+                "responses": {"200": _json("Status"), **JOB_ERRORS},
+            }
+        },
+        "/api/v1/jobs/{job_id}/fail": {
+            "post": {
+                "operationId": "fail",
+                "summary": "Record a failed attempt (retried later if retryable and attempts remain).",
+                "parameters": [JOB_ID],
+                "requestBody": _body("FailRequest"),
+                "responses": {"200": _json("Status"), **JOB_ERRORS},
+            }
+        },
+        "/api/v1/jobs/{job_id}/release": {
+            "post": {
+                "operationId": "release",
+                "summary": "Give the job back at once (clean shutdown); the attempt is not counted.",
+                "parameters": [JOB_ID],
+                "requestBody": _body("LeaseRequest"),
+                "responses": {"200": _json("Status"), **JOB_ERRORS},
+            }
+        },
+    },
+    "components": {
+        "securitySchemes": {"workerToken": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "required": ["error", "detail"],
+                "additionalProperties": False,
+                "properties": {
+                    "error": {"type": "string", "enum": ERROR_CODES},
+                    "detail": {"type": "string", "minLength": 1},
+                },
+            },
+            "ClaimRequest": {
+                "type": "object",
+                "description": "Empty; unknown fields are ignored.",
+            },
+            "Claimed": {
+                "type": "object",
+                "required": ["job"],
+                "additionalProperties": False,
+                "properties": {
+                    "job": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": [
+                            "id",
+                            "lease_token",
+                            "lease_expires_at",
+                            "lease_seconds",
+                            "heartbeat_interval",
+                            "attempt",
+                            "max_attempts",
+                            "batch",
+                            "item",
+                        ],
+                        "properties": {
+                            "id": {"type": "integer"},
+                            "lease_token": {"type": "string"},
+                            "lease_expires_at": {
+                                "type": "string",
+                                "format": "date-time",
+                            },
+                            "lease_seconds": {"type": "integer", "minimum": 1},
+                            "heartbeat_interval": {"type": "integer", "minimum": 1},
+                            "attempt": {"type": "integer", "minimum": 1},
+                            "max_attempts": {"type": "integer", "minimum": 1},
+                            "batch": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["id", "name"],
+                                "properties": {
+                                    "id": {"type": "integer"},
+                                    "name": {"type": "string"},
+                                },
+                            },
+                            "item": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": [
+                                    "id",
+                                    "source",
+                                    "params",
+                                    "duration_seconds",
+                                ],
+                                "properties": {
+                                    "id": {"type": "integer"},
+                                    "source": {"type": "string"},
+                                    "params": {"type": "object"},
+                                    "duration_seconds": {
+                                        "type": "number",
+                                        "nullable": True,
+                                    },
+                                },
+                            },
+                        },
+                    }
+                },
+            },
+            "LeaseRequest": {
+                "type": "object",
+                "required": ["lease_token"],
+                "properties": {"lease_token": TOKEN},
+            },
+            "CompleteRequest": {
+                "type": "object",
+                "required": ["lease_token", "result"],
+                "properties": {
+                    "lease_token": TOKEN,
+                    "result": {
+                        "type": "object",
+                        "required": ["text"],
+                        "properties": {
+                            "text": {"type": "string"},
+                            "language": {"type": "string"},
+                            "segments": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["start", "end", "text"],
+                                    "properties": {
+                                        "start": {"type": "number", "minimum": 0},
+                                        "end": {"type": "number", "minimum": 0},
+                                        "text": {"type": "string"},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+            "FailRequest": {
+                "type": "object",
+                "required": ["lease_token", "error"],
+                "properties": {
+                    "lease_token": TOKEN,
+                    "error": {
+                        "type": "string",
+                        "description": "Kept, cut to 10,000 characters.",
+                    },
+                    "retryable": {"type": "boolean", "default": True},
+                },
+            },
+            "Heartbeat": {
+                "type": "object",
+                "required": ["lease_expires_at"],
+                "additionalProperties": False,
+                "properties": {
+                    "lease_expires_at": {"type": "string", "format": "date-time"}
+                },
+            },
+            "Status": {
+                "type": "object",
+                "required": ["status"],
+                "additionalProperties": False,
+                "properties": {
+                    "status": {
+                        "type": "string",
+                        "enum": ["completed", "queued", "failed"],
+                    }
+                },
+            },
+        },
+    },
+}
+
+
+@require_GET
+def openapi(request: HttpRequest) -> JsonResponse:
+    """The description itself is public: it holds no data."""
+    return JsonResponse(SPEC)
