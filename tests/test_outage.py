@@ -1,0 +1,198 @@
+"""Database outage: while PostgreSQL is down the API answers 503 JSON, and once
+it is back the same gunicorn processes serve again, with nothing half-written.
+
+Runs its own PostgreSQL server (tests/pgserver.py) and a real gunicorn, so the
+shared test database is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from .pgserver import PrivatePostgres, available, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(
+        not available(), reason="PostgreSQL server binaries not installed"
+    ),
+]
+
+
+def _env(database_url: str, **extra: str) -> dict:
+    return {
+        "PATH": os.environ["PATH"],
+        "SECRET_KEY": "outage-test-secret",
+        "DATABASE_URL": database_url,
+        "RECALL_HTTPS": "off",
+        "RECALL_VAR_DIR": str(ROOT / "var"),
+        "DATABASE_CONNECT_TIMEOUT": "2",
+        **extra,
+    }
+
+
+def _manage(env: dict, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def _request(base: str, path: str, token: str | None = None, body: dict | None = None):
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(
+        base + path,
+        data=data,
+        headers=headers,
+        method="POST" if body is not None else "GET",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=15) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as error:
+        raw = error.read()
+        return error.code, json.loads(raw) if raw.startswith(b"{") else raw.decode()
+
+
+def _wait_until(check, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        if (result := check()) is not None:
+            return result
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def server():
+    pg = PrivatePostgres()
+    pg.start()
+    url = pg.create_database()
+    env = _env(url)
+    _manage(env, "migrate", "-v0")
+    token = _manage(env, "create_worker", "outage-worker").strip().splitlines()[-1]
+    manifest = ROOT / "var" / "outage-manifest.txt"
+    manifest.parent.mkdir(exist_ok=True)
+    manifest.write_text("/a.wav\n/b.wav\n/c.wav\n")
+    _manage(env, "create_batch", "outage", str(manifest))
+    port = free_port()
+    log = open(pg.dir / "gunicorn.log", "w+")  # noqa: SIM115 (closed below)
+    gunicorn = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+        cwd=ROOT,
+        env=_env(
+            url,
+            RECALL_BIND=f"127.0.0.1:{port}",
+            WEB_CONCURRENCY="2",
+            RECALL_STARTUP_SWEEP="quick",
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until(lambda: True if _alive(base) else None)
+        yield {
+            "pg": pg,
+            "base": base,
+            "token": token,
+            "env": env,
+            "gunicorn": gunicorn,
+            "log": log,
+        }
+    finally:
+        os.killpg(gunicorn.pid, signal.SIGTERM)
+        gunicorn.wait(timeout=30)
+        log.close()
+        pg.destroy()
+
+
+def _alive(base: str) -> bool:
+    try:
+        urllib.request.urlopen(base + "/healthz", timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _booted_workers(log) -> int:
+    log.seek(0)
+    return log.read().count("Booting worker")
+
+
+def test_api_answers_503_while_the_database_is_down_and_recovers(server):
+    base, token, pg = server["base"], server["token"], server["pg"]
+    status, body = _request(base, "/api/v1/claim", token, {})
+    assert status == 200
+    held = body["job"]
+    workers_before = _booted_workers(server["log"])
+
+    pg.stop("immediate")  # a crash, not a clean shutdown
+
+    for path, payload in [
+        ("/api/v1/claim", {}),
+        (f"/api/v1/jobs/{held['id']}/heartbeat", {"lease_token": held["lease_token"]}),
+        (
+            f"/api/v1/jobs/{held['id']}/complete",
+            {"lease_token": held["lease_token"], "result": {"text": "x"}},
+        ),
+    ]:
+        status, body = _request(base, path, token, payload)
+        assert status == 503, (path, body)
+        assert body["error"] == "unavailable"
+    status, body = _request(base, "/readyz")
+    assert status == 503
+    assert body["reasons"][0].startswith("database unreachable")
+    assert _request(base, "/healthz") == (200, {"status": "ok"})
+
+    pg.start()
+
+    # The same processes reconnect on their own; the lease held through the
+    # outage is still live and its completion is accepted.
+    def complete():
+        answer = _request(
+            base,
+            f"/api/v1/jobs/{held['id']}/complete",
+            token,
+            {"lease_token": held["lease_token"], "result": {"text": "done"}},
+        )
+        return None if answer[0] == 503 else answer
+
+    assert _wait_until(complete) == (200, {"status": "completed"})
+    status, body = _request(base, "/api/v1/claim", token, {})
+    assert status == 200
+    assert _booted_workers(server["log"]) == workers_before
+    assert server["gunicorn"].poll() is None
+    check = subprocess.run(
+        [sys.executable, "manage.py", "recall_check"],
+        cwd=ROOT,
+        env=server["env"],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout
+    log = server["log"]
+    log.seek(0)
+    assert "Internal Server Error" not in log.read()
