@@ -310,5 +310,6 @@ def release(
     return JsonResponse({"status": "queued"})
 
 
+@csrf_exempt  # a POST to a wrong path is a 404, not a CSRF failure
 def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     return error_response(404, "not_found", f"No API endpoint at {request.path}.")

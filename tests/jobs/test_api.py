@@ -266,10 +266,24 @@ def test_wrong_method_is_405(method, worker):
 
 @pytest.mark.parametrize(
     "path",
-    ["/api/v1/nope", "/api/v2/claim", "/api/v1/claim/", "/api/v1/jobs/1/explode"],
+    [
+        "/api/v1/nope",
+        "/api/v2/claim",
+        "/api/v1/claim/",
+        "/api/v1/jobs/1/explode",
+        "/api/v1/jobs/-1/heartbeat",
+    ],
 )
-def test_unknown_api_path_is_404_json(path, api):
-    _error(api.post(path, {}), 404, "not_found")
+def test_unknown_api_path_is_404_json(path, worker):
+    # With CSRF checks on, as a real client meets them (found by the fuzzer).
+    client = Client(enforce_csrf_checks=True)
+    response = client.post(
+        path,
+        data=b"{}",
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {worker.token}",
+    )
+    _error(response, 404, "not_found")
 
 
 @pytest.mark.parametrize("job_id", [999999, 2**63, 10**30])
