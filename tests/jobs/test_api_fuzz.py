@@ -59,9 +59,9 @@ def _steer(case, world) -> None:
     if isinstance(job_id, int) and job_id % 3:
         case.path_parameters["job_id"] = job_ids[job_id % len(job_ids)]
     body = case.body
-    if isinstance(body, dict) and isinstance(body.get("lease_token"), str) and tokens:
-        if len(body["lease_token"]) % 2 == 0:
-            body["lease_token"] = tokens[len(body["lease_token"]) % len(tokens)]
+    token = body.get("lease_token") if isinstance(body, dict) else None
+    if isinstance(token, str) and tokens and len(token) % 2 == 0:
+        body["lease_token"] = tokens[len(token) % len(tokens)]
     # Keep a few live leases around for the next examples.
     if Job.objects.filter(status=JobStatus.LEASED).count() < 3:
         Job.objects.claim_next(world["worker"])
