@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import codecs
 import csv
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain, islice
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Count, F, Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from jobs.models import Job
+from jobs.models import Job, JobStatus
 
-from .models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem
+from .models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem, ItemStatus
 
 MAX_SOURCE_CHARS = 4096
 MAX_PARAM_CHARS = 10_000
@@ -285,66 +288,99 @@ def create_batch(
 
     ``open_manifest`` returns a fresh iterable of the manifest's lines each time
     it is called (the manifest is read twice). Raises ManifestInvalid, having
-    created nothing, if any line is wrong.
+    created nothing, if any line is wrong. Everything is written in one
+    transaction: a batch is never visible half-created.
     """
     name = check_name(name)
     now = now or timezone.now()
     items, errors, total_errors = validate_manifest(open_manifest())
     if errors:
         raise ManifestInvalid(errors, total_errors, items)
-    max_attempts = settings.RECALL_MAX_ATTEMPTS
-    shard_items = [0] * COUNTER_SHARDS
-    shard_ms = [0] * COUNTER_SHARDS
-    total, total_ms, with_duration = 0, 0, 0
     with transaction.atomic():
         batch = Batch.objects.create(
             name=name, priority=priority, created_by=created_by, created_at=now
         )
-        entries = parse_manifest(open_manifest())
-        while chunk := list(islice(entries, INSERT_CHUNK)):
-            if any(isinstance(e, LineError) for e in chunk):
-                raise ManifestInvalid(
-                    [e for e in chunk if isinstance(e, LineError)][:1]
-                )
-            created = BatchItem.objects.bulk_create(
-                BatchItem(
-                    batch=batch,
-                    source=e.source,
-                    params=e.params,
-                    duration_ms=e.duration_ms,
-                    created_at=now,
-                    updated_at=now,
-                )
-                for e in chunk
+        _insert_items(batch, parse_manifest(open_manifest()), now=now)
+        _insert_jobs(batch, now=now)
+        shards = {
+            row["shard"]: row
+            for row in BatchItem.objects.filter(batch=batch)
+            .annotate(shard=F("id") % COUNTER_SHARDS)
+            .values("shard")
+            .annotate(
+                n=Count("id"),
+                ms=Coalesce(Sum("duration_ms"), 0),
+                timed=Count("duration_ms"),
             )
-            Job.objects.bulk_create(
-                Job(
-                    item=item,
-                    batch=batch,
-                    max_attempts=max_attempts,
-                    available_at=now,
-                    created_at=now,
-                    updated_at=now,
-                )
-                for item in created
-            )
-            for item in created:
-                shard = item.pk % COUNTER_SHARDS
-                shard_items[shard] += 1
-                shard_ms[shard] += item.duration_ms or 0
-                total_ms += item.duration_ms or 0
-                with_duration += item.duration_ms is not None
-            total += len(created)
+            .order_by()
+        }
         BatchCounter.objects.bulk_create(
             BatchCounter(
-                batch=batch, shard=s, queued=shard_items[s], queued_ms=shard_ms[s]
+                batch=batch,
+                shard=shard,
+                queued=shards.get(shard, {}).get("n", 0),
+                queued_ms=shards.get(shard, {}).get("ms", 0),
             )
-            for s in range(COUNTER_SHARDS)
+            for shard in range(COUNTER_SHARDS)
         )
-        batch.total, batch.total_ms = total, total_ms
-        batch.durations_known = total > 0 and with_duration == total
+        batch.total = sum(row["n"] for row in shards.values())
+        batch.total_ms = sum(row["ms"] for row in shards.values())
+        batch.durations_known = batch.total > 0 and batch.total == sum(
+            row["timed"] for row in shards.values()
+        )
         batch.save(update_fields=["total", "total_ms", "durations_known"])
     return batch
+
+
+def _insert_items(batch: Batch, entries: Iterable[Entry | LineError], *, now) -> None:
+    """Insert the items with the driver's fastest bulk path (COPY on PostgreSQL).
+
+    The ORM's bulk_create builds a model instance per row: most of the time of
+    a 100,000-item intake went there.
+    """
+    table = BatchItem._meta.db_table
+    columns = "batch_id, source, params, duration_ms, status, created_at, updated_at"
+    at = connection.ops.adapt_datetimefield_value(now)
+
+    def rows() -> Iterator[tuple]:
+        for entry in entries:
+            if isinstance(entry, LineError):  # the file changed since validation
+                raise ManifestInvalid([entry])
+            params = json.dumps(entry.params, ensure_ascii=False)
+            yield (
+                batch.pk,
+                entry.source,
+                params,
+                entry.duration_ms,
+                ItemStatus.QUEUED,
+                at,
+                at,
+            )
+
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            with cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
+                for row in rows():
+                    copy.write_row(row)
+        else:
+            placeholders = ", ".join(["%s"] * 7)
+            sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
+            iterator = rows()
+            while chunk := list(islice(iterator, INSERT_CHUNK)):
+                cursor.executemany(sql, chunk)
+
+
+def _insert_jobs(batch: Batch, *, now) -> None:
+    """One job per item of the batch, in a single INSERT ... SELECT."""
+    at = connection.ops.adapt_datetimefield_value(now)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Job._meta.db_table} (item_id, batch_id, status, attempts, "
+            f"max_attempts, available_at, last_error, created_at, updated_at) "
+            f"SELECT id, batch_id, %s, 0, %s, %s, '', %s, %s "
+            f"FROM {BatchItem._meta.db_table} WHERE batch_id = %s",
+            [JobStatus.QUEUED, settings.RECALL_MAX_ATTEMPTS, at, at, at, batch.pk],
+        )
 
 
 def file_lines(path: str) -> Callable[[], Iterator[bytes]]:
