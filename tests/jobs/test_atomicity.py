@@ -8,7 +8,7 @@ row exactly as it was.
 import pytest
 from django.db import DatabaseError
 
-from batches.models import Batch
+from batches.models import Batch, BatchMinute
 from jobs.models import Job, JobStatus, Lease
 from jobs.reconcile import reconcile
 
@@ -23,6 +23,7 @@ LEDGER_CLOSE = ("jobs_lease", "UPDATE")
 LEDGER_OPEN = ("jobs_lease", "INSERT")
 EVENT = ("jobs_event", "INSERT")
 BATCH = ("batches_batch", "UPDATE")
+THROUGHPUT = ("batches_batchminute", "INSERT")  # the per-minute finish buckets
 
 
 def _leased(worker):
@@ -42,7 +43,7 @@ def test_claim(write, worker):
     assert snapshot(*jobs) == before
 
 
-@pytest.mark.parametrize("write", [JOB, ITEM, COUNTERS, LEDGER_CLOSE])
+@pytest.mark.parametrize("write", [JOB, ITEM, COUNTERS, LEDGER_CLOSE, THROUGHPUT])
 def test_complete(write, worker):
     job = _leased(worker)
     before = snapshot(job)
@@ -51,10 +52,15 @@ def test_complete(write, worker):
         job.complete(job.lease_token, worker=worker, result={"text": "t"}, now=later(1))
 
     assert snapshot(job) == before
+    assert not BatchMinute.objects.exists()
 
 
-@pytest.mark.parametrize("retryable", [True, False])
-@pytest.mark.parametrize("write", [JOB, ITEM, COUNTERS, LEDGER_CLOSE])
+@pytest.mark.parametrize(
+    ("write", "retryable"),
+    [(w, r) for w in (JOB, ITEM, COUNTERS, LEDGER_CLOSE) for r in (True, False)]
+    # Only a failure for good finishes the item, and so counts in the buckets.
+    + [(THROUGHPUT, False)],
+)
 def test_fail(write, retryable, worker):
     job = _leased(worker)
     before = snapshot(job)
@@ -91,7 +97,7 @@ def test_reclaim_expired_chunk(write, worker):
     assert Job.objects.filter(batch=batch, status=JobStatus.LEASED).count() == 3
 
 
-@pytest.mark.parametrize("write", [JOB, ITEM, COUNTERS, LEDGER_CLOSE])
+@pytest.mark.parametrize("write", [JOB, ITEM, COUNTERS, LEDGER_CLOSE, THROUGHPUT])
 def test_reclaim_that_gives_up(write, worker, settings):
     settings.RECALL_MAX_ATTEMPTS = 1
     job = _leased(worker)
