@@ -950,40 +950,45 @@ class Slot(threading.Thread):
     # Claiming.
 
     def claim(self) -> Job | None:
-        """The next job, or None once stopping. Polls with backoff while idle."""
-        idle = 0
+        """The next job, or None once stopping.
+
+        An empty queue (204) is polled with jittered backoff up to --poll-max,
+        and so is a claim the server refused for a reason no retry inside
+        ``Api.call`` could fix; the pause resets once work arrives.
+        """
+        empty = 0
+        pauses = 0
         while not self.shutdown.requested:
             try:
-                _, payload = self.api.call(
+                status, payload = self.api.call(
                     "/claim", {}, what="claim", give_up=lambda: self.shutdown.requested
                 )
             except GaveUp:
                 return None
-            except LeaseLost as error:  # not a claim answer; treat like a 5xx
-                log.warning("claim: unexpected %s", error)
-                payload = None
-            except Rejected as error:
-                if error.status == 404:
+            except (LeaseLost, Rejected) as error:
+                if error.status == 404:  # no API here: the URL is wrong
                     raise Refused(error.status, error.code, error.detail) from None
                 log.error("claim refused: %s", error)
-                payload = None
-            if payload is not None and "job" in payload:
-                try:
-                    job = Job.from_claim(payload)
-                except (KeyError, TypeError, ValueError) as error:
-                    log.error("claim: malformed response (%r): %s", error, payload)
+            else:
+                if status == 204 or payload is None:
+                    empty += 1
+                    if empty == 1:
+                        log.info(
+                            "queue empty; polling with backoff up to %gs",
+                            self.settings.poll_max,
+                        )
                 else:
-                    if idle:
-                        log.info("work available again after %d empty polls", idle)
-                    return self.adopt(job)
-            idle += 1
-            if idle == 1:
-                log.info(
-                    "queue empty; polling with backoff up to %gs",
-                    self.settings.poll_max,
-                )
+                    try:
+                        job = Job.from_claim(payload)
+                    except (KeyError, TypeError, ValueError) as error:
+                        log.error("claim: malformed response (%r): %s", error, payload)
+                    else:
+                        if empty:
+                            log.info("work available after %d empty polls", empty)
+                        return self.adopt(job)
+            pauses += 1
             delay = backoff_delay(
-                idle, base=self.settings.poll_min, cap=self.settings.poll_max
+                pauses, base=self.settings.poll_min, cap=self.settings.poll_max
             )
             pause(delay, lambda: self.shutdown.requested)
         return None
