@@ -91,7 +91,7 @@ class ApiError(Exception):
 
 
 class LeaseLost(ApiError):
-    """409 (or 404 for the job): the lease is not ours any more. Stop working."""
+    """409: the lease is not ours any more. Stop working on the job."""
 
 
 class Refused(ApiError):
@@ -123,7 +123,9 @@ def backoff_delay(attempt: int, *, base: float, cap: float) -> float:
     Half the delay is fixed, half random, so retries spread out (no thundering
     herd after an outage) but never come back too soon.
     """
-    delay = min(cap, base * 2 ** max(attempt - 1, 0))
+    # The exponent is bounded: a worker idle for days polls thousands of times,
+    # and 2.0 ** 1024 overflows a float.
+    delay = min(cap, base * 2.0 ** min(max(attempt - 1, 0), 60))
     return delay / 2 + random.uniform(0, delay / 2)
 
 
@@ -152,7 +154,7 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 class Api:
-    """Worker API v1 over HTTP(S): one method per endpoint, errors classified."""
+    """Worker API v1 over HTTP(S): a POST, its answer classified, and retries."""
 
     def __init__(self, url: str, token: str, *, timeout: float, retry_cap: float):
         self.base = url.rstrip("/")

@@ -229,7 +229,7 @@ def test_sigkill_leaves_a_lease_the_sweeper_reclaims_for_another_worker(
 
 
 def test_a_completion_survives_the_server_going_away(start_worker, proxy):
-    batch = make_batch(durations=[10], now=timezone.now())
+    batch = make_batch(durations=[30], now=timezone.now())  # 3 s of work
     (job,) = jobs_of(batch)
     proc = start_worker(
         make_worker(), "--simulate", "--simulate-factor=0.1", url=proxy.url
@@ -262,7 +262,7 @@ def test_a_completion_survives_the_server_going_away(start_worker, proxy):
 
 
 def test_a_lost_completion_response_is_retried_and_accepted(start_worker, proxy):
-    batch = make_batch(durations=[10], now=timezone.now())
+    batch = make_batch(durations=[30], now=timezone.now())  # 3 s of work
     (job,) = jobs_of(batch)
     proc = start_worker(
         make_worker(), "--simulate", "--simulate-factor=0.1", url=proxy.url

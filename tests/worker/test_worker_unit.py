@@ -260,6 +260,8 @@ def test_backoff_is_jittered_exponential_and_capped():
         delays = [rw.backoff_delay(attempt, base=0.5, cap=30) for _ in range(200)]
         assert all(ideal / 2 <= d <= ideal for d in delays)
         assert len(set(delays)) > 1
+    # Days of idle polling: the attempt count grows, the delay stays capped.
+    assert 15 <= rw.backoff_delay(100_000, base=1, cap=30) <= 30
 
 
 def test_simulated_transcripts_cover_the_audio_and_repeat_per_item():
