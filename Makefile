@@ -1,11 +1,12 @@
-# Recall: `make run` starts it on the embedded SQLite default; `make test` runs the
-# tests (PostgreSQL at TEST_DATABASE_URL, then SQLite). See README.md.
+# Recall: `make demo` shows the whole system working (demo data, simulated workers);
+# `make run` starts it on the embedded SQLite default; `make test` runs the tests
+# (PostgreSQL at TEST_DATABASE_URL, then SQLite). See README.md.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test lint format clean
+.PHONY: demo run test lint format clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +16,9 @@ $(VENV)/.runtime: requirements.txt
 $(VENV)/.dev: requirements.txt requirements-dev.txt $(VENV)/.runtime
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
 	@touch $@
+
+demo: $(VENV)/.runtime
+	@$(PY) scripts/demo.py
 
 run: $(VENV)/.runtime
 	@scripts/run.sh

@@ -19,7 +19,10 @@ from jobs.models import Worker
 from .factories import T0, WorkerClient, is_postgres, make_batch, make_worker
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    # trylast: after `-m` has deselected what this run is not meant to run (the
+    # SQLite pass deselects the PostgreSQL-only tests on purpose).
     if is_postgres():
         return
     needs_pg = [item for item in items if item.get_closest_marker("postgres")]

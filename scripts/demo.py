@@ -1,0 +1,450 @@
+"""`make demo`: the whole of Recall alive on this machine, in one command.
+
+A fresh demo database (SQLite, under var/demo/, apart from `make run`'s), a
+demo admin login, demo batches with a few hundred items that have durations,
+gunicorn and the django-q2 cluster, and three reference workers with the
+simulated engine. One of them is killed with SIGKILL and restarted every so
+often, so its leases expire and are reclaimed while you watch. Leases are short
+(RECALL_LEASE_SECONDS=15) so that happens within seconds.
+
+The terminal shows the URL, the login, progress, and every kill and reclaim;
+the processes' own logs go to var/demo/logs/. Ctrl-C stops everything this
+started, in order: workers first (they release their leases), then the web
+server, then the cluster (exactly one SIGTERM: a second can hang django-q2).
+A second Ctrl-C kills whatever is left at once.
+
+Settings (environment): RECALL_BIND (default 127.0.0.1:8000), DEMO_ITEMS (300),
+DEMO_KILL_EVERY (seconds between kills, default 45), DEMO_SPEED (simulated
+seconds of work per second of audio, default 0.03).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parent.parent
+VAR = ROOT / "var" / "demo"
+LOGS = VAR / "logs"
+PY = sys.executable
+WORKER = ROOT / "worker" / "recall_worker.py"
+
+BIND = os.environ.get("RECALL_BIND", "127.0.0.1:8000")
+ITEMS = int(os.environ.get("DEMO_ITEMS", "300"))
+KILL_EVERY = float(os.environ.get("DEMO_KILL_EVERY", "45"))
+SPEED = float(os.environ.get("DEMO_SPEED", "0.03"))
+LEASE_SECONDS = 15
+PROGRESS_EVERY = 10.0
+RESTART_AFTER = 5.0
+ADMIN = "demo"
+
+
+def say(message: str) -> None:
+    """Print a line; a closed terminal or pipe must not stop the clean-up."""
+    with contextlib.suppress(OSError):
+        print(f"{time.strftime('%H:%M:%S')}  {message}", flush=True)
+
+
+def configure_environment() -> None:
+    """Everything the demo's processes read, set before Django is imported.
+
+    DATABASE_URL is set explicitly: a .env pointing at a real database must
+    never receive the demo's batches.
+    """
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))  # run as a script: the project is one level up
+    VAR.mkdir(parents=True, exist_ok=True)
+    LOGS.mkdir(exist_ok=True)
+    key_file = VAR / "secret_key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_urlsafe(50))
+    os.environ.update(
+        DJANGO_SETTINGS_MODULE="recall_site.settings",
+        RECALL_VAR_DIR=str(VAR),
+        DATABASE_URL=f"sqlite:///{VAR / 'recall.sqlite3'}",
+        SECRET_KEY=key_file.read_text().strip(),
+        RECALL_HTTPS="off",
+        RECALL_BIND=BIND,
+        RECALL_LEASE_SECONDS=str(LEASE_SECONDS),
+        RECALL_RETRY_BACKOFF_SECONDS="10",
+        RECALL_ACCESS_LOG=str(LOGS / "access.log"),
+        WEB_CONCURRENCY=os.environ.get("WEB_CONCURRENCY", "2"),
+        RECALL_STARTUP_SWEEP="quick",
+    )
+
+
+def fresh_database() -> None:
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            (VAR / f"recall.sqlite3{suffix}").unlink()
+    for log in LOGS.glob("*.log"):
+        log.unlink()
+
+
+def manifest(path: Path, prefix: str, n: int, seed: int, median: float) -> float:
+    """A CSV manifest of ``n`` items with realistic durations; returns hours."""
+    rng = random.Random(seed)
+    total = 0.0
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["source", "duration_seconds", "language"])
+        for i in range(1, n + 1):
+            seconds = round(min(3600, max(20, rng.lognormvariate(0, 0.8) * median)), 1)
+            total += seconds
+            out.writerow([f"s3://demo-audio/{prefix}-{i:04d}.wav", seconds, "en"])
+    return total / 3600
+
+
+def set_up() -> tuple[str, dict[str, str]]:
+    """Migrate, then the admin login, the workers and the batches."""
+    import django
+
+    django.setup()
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.db import connections
+
+    from batches.intake import create_batch, file_lines
+    from jobs.models import Worker
+
+    say("migrating the demo database and collecting static files ...")
+    call_command("migrate", interactive=False, verbosity=0)
+    call_command("collectstatic", interactive=False, verbosity=0)
+    password = secrets.token_urlsafe(9)
+    get_user_model().objects.create_superuser(ADMIN, "demo@example.com", password)
+    tokens = {}
+    for name in ("gpu-1", "gpu-2", "gpu-flaky"):
+        _, tokens[name] = Worker.objects.create_with_token(name)
+    hours = manifest(VAR / "interviews.csv", "interview", ITEMS, 5, 300)
+    create_batch("Demo: field interviews", file_lines(VAR / "interviews.csv"))
+    urgent = max(5, ITEMS // 25)
+    hours += manifest(VAR / "press.csv", "press-call", urgent, 7, 120)
+    create_batch(
+        "Demo: press calls (urgent)", file_lines(VAR / "press.csv"), priority=10
+    )
+    say(
+        f"created 2 batches: {ITEMS} interviews and {urgent} urgent press calls, "
+        f"{hours:.1f} hours of audio"
+    )
+    connections.close_all()
+    return password, tokens
+
+
+@dataclass
+class Child:
+    """A process this demo started, in a session of its own (so Ctrl-C reaches
+    only the demo, which then stops each child the way it wants)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    log: IO[bytes] | None = None
+    terminated: bool = False
+
+    def start(self) -> None:
+        self.terminated = False
+        self.log = open(LOGS / f"{self.name}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            env={**os.environ, **self.env},
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int, *, group: bool = False) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                if group:
+                    os.killpg(self.proc.pid, sig)
+                else:
+                    self.proc.send_signal(sig)
+
+    def terminate(self) -> None:
+        """Exactly one SIGTERM: a second one means "exit now" to the worker and
+        can hang django-q2."""
+        if not self.terminated:
+            self.terminated = True
+            self.signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        """SIGTERM once; SIGKILL the whole group if it is not gone in time."""
+        if self.alive:
+            self.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                say(f"{self.name} did not stop within {timeout:g}s: killing it")
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def tail(self, lines: int = 15) -> str:
+        text = (LOGS / f"{self.name}.log").read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Demo:
+    def __init__(self, tokens: dict[str, str]):
+        url = f"http://{BIND}"
+        self.url = url
+        self.cluster = Child("qcluster", [PY, "manage.py", "qcluster"])
+        self.web = Child(
+            "gunicorn", [str(ROOT / ".venv/bin/gunicorn"), "-c", "gunicorn.conf.py"]
+        )
+        if not Path(self.web.argv[0]).exists():
+            self.web.argv[0] = str(Path(PY).parent / "gunicorn")
+        self.workers = {
+            name: Child(
+                f"worker-{name}",
+                [
+                    PY,
+                    str(WORKER),
+                    "--simulate",
+                    "--concurrency=2",
+                    f"--simulate-factor={SPEED}",
+                    "--simulate-fail-rate=0.03",
+                    "--poll-max=5",
+                ],
+                env={"RECALL_URL": url, "RECALL_TOKEN": token},
+            )
+            for name, token in tokens.items()
+        }
+        self.flaky = self.workers["gpu-flaky"]
+        self.rng = random.Random()
+        self.next_kill = time.monotonic() + self._kill_interval()
+        self.restart_at: float | None = None
+        self.next_progress = time.monotonic() + PROGRESS_EVERY
+        self.last_lease_id = 0
+        self.done_history: list[tuple[float, int]] = []
+        self.finished = False
+        self.stop_requested = False
+
+    def _kill_interval(self) -> float:
+        return KILL_EVERY * self.rng.uniform(0.7, 1.3)
+
+    def start(self) -> None:
+        self.cluster.start()
+        self.web.start()
+        self.wait_until_serving()
+        if self.stop_requested:
+            return
+        for worker in self.workers.values():
+            worker.start()
+
+    def wait_until_serving(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.stop_requested:
+                return
+            if not self.web.alive:
+                raise Fatal(f"gunicorn exited at start-up:\n{self.web.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/admin/login/", timeout=2):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.3)
+        raise Fatal(f"gunicorn did not answer within {timeout:g}s:\n{self.web.tail()}")
+
+    def tick(self) -> None:
+        """Once every half second: watch the children, cause chaos, report."""
+        for child in (self.web, self.cluster):
+            if not child.alive:
+                raise Fatal(f"{child.name} exited unexpectedly:\n{child.tail()}")
+        now = time.monotonic()
+        for name, worker in self.workers.items():
+            if worker is self.flaky and self.restart_at is not None:
+                continue
+            if not worker.alive:
+                say(f"worker {name} exited ({worker.proc.returncode}); restarting it")
+                worker.kill()
+                worker.start()
+        if self.restart_at is not None and now >= self.restart_at:
+            self.flaky.start()
+            self.restart_at = None
+            say("chaos: restarted worker gpu-flaky")
+        elif self.restart_at is None and now >= self.next_kill:
+            self.kill_flaky()
+        self.report_reclaims()
+        if now >= self.next_progress:
+            self.next_progress = now + PROGRESS_EVERY
+            self.report_progress()
+
+    def kill_flaky(self) -> None:
+        from django.utils import timezone
+
+        from jobs.models import Job, JobStatus
+
+        # Live leases only: those of a previous kill may still await reclaim.
+        held = list(
+            Job.objects.filter(
+                status=JobStatus.LEASED,
+                leased_by__name="gpu-flaky",
+                lease_expires_at__gt=timezone.now(),
+            )
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        )
+        if not held:  # nothing to lose: try again in a moment
+            self.next_kill = time.monotonic() + 2
+            return
+        self.flaky.signal(signal.SIGKILL, group=True)
+        self.flaky.kill()
+        self.restart_at = time.monotonic() + RESTART_AFTER
+        self.next_kill = time.monotonic() + self._kill_interval()
+        jobs = ", ".join(str(pk) for pk in held)
+        say(
+            f"chaos: SIGKILLed worker gpu-flaky holding job(s) {jobs}; their leases "
+            f"expire within {LEASE_SECONDS}s and are then reclaimed"
+        )
+
+    def report_reclaims(self) -> None:
+        from jobs.models import Lease, LeaseEnd
+
+        expired = Lease.objects.filter(
+            pk__gt=self.last_lease_id, end_reason=LeaseEnd.EXPIRED
+        ).select_related("worker", "job")
+        outcomes = {
+            "queued": "queued again",
+            "leased": "queued again, and already claimed",
+            "failed": "that was its last attempt, so it failed",
+        }
+        for lease in expired.order_by("pk"):
+            self.last_lease_id = lease.pk
+            outcome = outcomes.get(lease.job.status, f"now {lease.job.status}")
+            say(
+                f"reclaimed job {lease.job_id}: {lease.worker.name}'s lease (attempt "
+                f"{lease.attempt}) expired; {outcome}"
+            )
+
+    def report_progress(self) -> None:
+        from batches.models import BatchCounter
+
+        c = BatchCounter.objects.all().totals()
+        states = ("queued", "transcribing", "done", "failed")
+        total = sum(c[s] for s in states)
+        hours = sum(c[f"{s}_ms"] for s in states) / 3.6e6
+        now = time.monotonic()
+        self.done_history.append((now, c["done_ms"] + c["failed_ms"]))
+        self.done_history = [(t, ms) for t, ms in self.done_history if now - t <= 60]
+        left = ""
+        (t0, ms0), (t1, ms1) = self.done_history[0], self.done_history[-1]
+        remaining = c["queued_ms"] + c["transcribing_ms"]
+        if remaining and ms1 > ms0 and t1 > t0:
+            minutes = remaining / ((ms1 - ms0) / (t1 - t0)) / 60
+            eta = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
+            left = f" · {eta} left at the last minute's pace"
+        say(
+            f"progress: {c['done']}/{total} done · {c['transcribing']} transcribing · "
+            f"{c['queued']} queued · {c['failed']} failed · audio "
+            f"{c['done_ms'] / 3.6e6:.1f} of {hours:.1f} h{left}"
+        )
+        if not self.finished and c["queued"] == 0 and c["transcribing"] == 0:
+            self.finished = True
+            say("every item is finished; Recall keeps running until Ctrl-C")
+
+    def stop(self) -> None:
+        """Workers first (their releases need the web server), then the rest.
+
+        Each step is guarded: one child that will not stop cleanly is killed,
+        and the others are still stopped.
+        """
+        self.restart_at = None
+        for worker in self.workers.values():
+            worker.terminate()  # all at once: they release in parallel
+        steps = [(worker, 20.0) for worker in self.workers.values()]
+        for child, timeout in (*steps, (self.web, 35.0), (self.cluster, 30.0)):
+            try:
+                child.stop(timeout)
+            except Exception as error:
+                say(f"could not stop {child.name} cleanly ({error!r}); killing it")
+                with contextlib.suppress(Exception):
+                    child.signal(signal.SIGKILL, group=True)
+
+    def kill_all(self) -> None:
+        for child in (*self.workers.values(), self.web, self.cluster):
+            with contextlib.suppress(Exception):
+                child.signal(signal.SIGKILL, group=True)
+
+
+class Fatal(Exception):
+    """Something the demo needs died: stop everything and say why."""
+
+
+def main() -> int:
+    configure_environment()
+    fresh_database()
+    password, tokens = set_up()  # no children yet: Ctrl-C here just ends it
+    demo = Demo(tokens)
+
+    def on_signal(signum: int, frame: object) -> None:
+        """First signal: stop in order (the main loop sees the flag). Second:
+        kill everything now."""
+        if demo.stop_requested:
+            say("second signal: killing everything now")
+            demo.kill_all()
+            os._exit(130)
+        demo.stop_requested = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    status = 1
+    try:
+        say("starting gunicorn and the django-q2 cluster ...")
+        demo.start()
+        if not demo.stop_requested:
+            banner(demo.url, password)
+        while not demo.stop_requested:
+            demo.tick()
+            time.sleep(0.5)
+        status = 0
+    except Fatal as error:
+        say(str(error))
+    finally:  # whatever went wrong, nothing this started is left running
+        demo.stop_requested = True
+        say("stopping: workers (releasing their leases), web server, cluster ...")
+        demo.stop()
+        say("stopped")
+    return status
+
+
+def banner(url: str, password: str) -> None:
+    with contextlib.suppress(OSError):
+        print(
+            f"\n  Recall demo: {url}/\n"
+            f"  Login: {ADMIN} / {password}   (demo only)\n"
+            f"  Leases last {LEASE_SECONDS}s. Three simulated workers run 2 jobs "
+            f"each; gpu-flaky is SIGKILLed about every {KILL_EVERY:g}s.\n"
+            f"  Logs: var/demo/logs/   Ctrl-C stops everything.\n",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

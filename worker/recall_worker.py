@@ -1,0 +1,1586 @@
+#!/usr/bin/env python3
+"""Recall reference worker: claims transcription jobs from Recall and runs them.
+
+One file, Python 3.11+, standard library only: copy it onto any machine that can
+reach Recall and run it. It claims a job, runs the transcription engine, sends
+heartbeats on a background thread while the engine works, and completes or
+fails the job; forever, until it is stopped. Run ``recall_worker.py --help`` for
+every option; the README's "Reference worker" section explains the rest.
+
+Guarantees it keeps, and why:
+
+* A lease the server took back (409 ``lease_lost``) is never completed: the
+  engine is killed at once, its result thrown away, and the worker moves on.
+* SIGTERM or SIGINT kills the engine and releases the lease through the API, so
+  the job is queued again at once instead of waiting for the lease to expire;
+  then the worker exits 0. A second signal exits at once.
+* Network errors, 5xx and 429 are retried with jittered exponential backoff;
+  a completion is retried until the server answers 200 or 409 (completing is
+  idempotent for the same lease token, so a lost response costs nothing).
+* An empty queue (204) is polled with jittered backoff up to a cap, so a fleet
+  of idle workers does not hammer the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import shutil
+import signal
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.client import HTTPException
+from typing import Any
+
+__version__ = "1.0.0"
+
+API_PREFIX = "/api/v1"
+
+# The worker's own exit statuses.
+EXIT_STOPPED = 0  # stopped by SIGTERM/SIGINT, leases released
+EXIT_USAGE = 2  # bad command line (argparse's convention)
+EXIT_REFUSED = 3  # the server refused this worker (401/403, wrong URL): not transient
+# A second signal exits at once with 128 + the signal number, like a shell.
+
+# Engine exit statuses that mean "this input will never work", so the job fails
+# for good instead of being retried: sysexits.h's EX_DATAERR (the input data is
+# wrong: not audio, unsupported format) and EX_NOINPUT (the input does not
+# exist or cannot be read). Every other non-zero status is retryable.
+DEFAULT_NON_RETRYABLE_EXIT_CODES = "65,66"
+
+# The server keeps errors up to 10,000 characters; send less, so the body is
+# always small and valid.
+MAX_ERROR_CHARS = 4_000
+STDERR_TAIL_BYTES = 16 * 1024
+MAX_STDOUT_BYTES = 64 * 1024 * 1024
+MAX_RESPONSE_BYTES = 1024 * 1024
+# Retry-After is honoured, up to this.
+MAX_RETRY_AFTER_SECONDS = 300.0
+
+# Environment variables the engine subprocess must not inherit (its token).
+PRIVATE_ENV_PREFIXES = ("RECALL_TOKEN", "RECALL_WORKER_")
+
+log = logging.getLogger("recall.worker")
+
+
+# --- Errors ---------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """The server answered, and the answer means this call will not succeed."""
+
+    def __init__(self, status: int, code: str, detail: str):
+        super().__init__(f"{status} {code}: {detail}")
+        self.status, self.code, self.detail = status, code, detail
+
+
+class LeaseLost(ApiError):
+    """409: the lease is not ours any more. Stop working on the job."""
+
+
+class Refused(ApiError):
+    """401/403, a redirect, or no API at the URL: no retry can fix this worker."""
+
+
+class Rejected(ApiError):
+    """Any other 4xx: this request is wrong (e.g. a result too large, 413)."""
+
+
+class Transient(Exception):
+    """A network error, a 5xx or a 429: worth retrying after a pause."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class GaveUp(Exception):
+    """A retry loop stopped because its caller no longer wants the answer."""
+
+
+# --- Backoff --------------------------------------------------------------------
+
+
+def backoff_delay(attempt: int, *, base: float, cap: float) -> float:
+    """Jittered exponential backoff ("equal jitter") for retry number ``attempt``.
+
+    Half the delay is fixed, half random, so retries spread out (no thundering
+    herd after an outage) but never come back too soon.
+    """
+    # The exponent is bounded: a worker idle for days polls thousands of times,
+    # and 2.0 ** 1024 overflows a float.
+    delay = min(cap, base * 2.0 ** min(max(attempt - 1, 0), 60))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+def pause(seconds: float, interrupted: Callable[[], bool]) -> bool:
+    """Sleep up to ``seconds``; return False early when ``interrupted()`` says so.
+
+    Sleeping in short slices lets one signal wake every thread within a fraction
+    of a second without a web of events.
+    """
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if interrupted():
+            return False
+        time.sleep(min(0.1, left))
+    return not interrupted()
+
+
+# --- The API client -------------------------------------------------------------
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib would turn a redirected POST into a GET without a body: refuse."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+class Api:
+    """Worker API v1 over HTTP(S): a POST, its answer classified, and retries."""
+
+    def __init__(self, url: str, token: str, *, timeout: float, retry_cap: float):
+        self.base = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        self.retry_cap = retry_cap
+        self._opener = urllib.request.build_opener(_NoRedirects)
+
+    # One attempt.
+
+    def post(
+        self, path: str, body: dict, *, timeout: float | None = None
+    ) -> tuple[int, dict | None]:
+        """POST ``body`` once; return (status, JSON) on 2xx or raise an error."""
+        data = json.dumps(body, allow_nan=False, ensure_ascii=False).encode("utf-8")
+        request = urllib.request.Request(
+            self.base + API_PREFIX + path,
+            data=data,
+            method="POST",
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+                "User-Agent": f"recall-worker/{__version__}",
+            },
+        )
+        try:
+            with self._opener.open(request, timeout=timeout or self.timeout) as resp:
+                status, raw = resp.status, resp.read(MAX_RESPONSE_BYTES)
+        except urllib.error.HTTPError as error:
+            raise self._classify(error) from None
+        except (urllib.error.URLError, HTTPException, OSError, ValueError) as error:
+            reason = getattr(error, "reason", None) or error
+            raise Transient(f"network error: {reason}") from None
+        if status == 204 or not raw.strip():
+            return status, None
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            raise Transient(f"HTTP {status} with a body that is not JSON") from None
+        return status, payload if isinstance(payload, dict) else None
+
+    def _classify(self, error: urllib.error.HTTPError) -> Exception:
+        status = error.code
+        try:
+            payload = json.loads(error.read(MAX_RESPONSE_BYTES) or b"{}")
+        except (ValueError, OSError):
+            payload = {}
+        if not isinstance(payload, dict):
+            payload = {}
+        code = str(payload.get("error", "")) or "http_error"
+        detail = str(payload.get("detail", "")) or str(error.reason)
+        if 300 <= status < 400:
+            location = error.headers.get("Location", "?")
+            return Refused(
+                status,
+                "redirect",
+                f"the server redirects to {location}; set the URL to that address",
+            )
+        if status in (401, 403):
+            return Refused(status, code, detail)
+        if status == 409:
+            return LeaseLost(status, code, detail)
+        if status in (408, 425, 429) or status >= 500:
+            return Transient(
+                f"HTTP {status} {code}: {detail}",
+                retry_after=_retry_after(error.headers.get("Retry-After")),
+            )
+        return Rejected(status, code, detail)
+
+    # With retries.
+
+    def call(
+        self,
+        path: str,
+        body: dict,
+        *,
+        what: str,
+        give_up: Callable[[], bool],
+        cap: float | None = None,
+        timeout: float | None = None,
+    ) -> tuple[int, dict | None]:
+        """POST, retrying transient errors with backoff until ``give_up()``.
+
+        Raises GaveUp when ``give_up()`` turns true between attempts, and lets
+        every non-transient error through to the caller, who knows what it means.
+        """
+        cap = self.retry_cap if cap is None else cap
+        attempt = 0
+        while True:
+            try:
+                return self.post(path, body, timeout=timeout)
+            except Transient as error:
+                attempt += 1
+                if give_up():
+                    raise GaveUp(str(error)) from None
+                delay = backoff_delay(attempt, base=0.5, cap=cap)
+                if error.retry_after is not None:
+                    delay = max(delay, error.retry_after)
+                log.warning(
+                    "%s failed (%s); retry %d in %.1fs", what, error, attempt, delay
+                )
+                if not pause(delay, give_up):
+                    raise GaveUp(str(error)) from None
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        seconds = float(value) if value else None
+    except ValueError:
+        return None
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_SECONDS)
+
+
+# --- Jobs and what engines return ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """A claimed job, as the claim response described it."""
+
+    id: int
+    lease_token: str
+    lease_seconds: float
+    heartbeat_interval: float
+    attempt: int
+    max_attempts: int
+    batch_id: int | None
+    batch_name: str
+    item_id: int | None
+    source: str
+    params: dict
+    duration: float | None
+
+    @classmethod
+    def from_claim(cls, payload: dict) -> Job:
+        job = payload["job"]
+        batch = job.get("batch") or {}
+        item = job.get("item") or {}
+        lease_seconds = float(job.get("lease_seconds") or 60)
+        interval = float(job.get("heartbeat_interval") or lease_seconds / 3)
+        duration = item.get("duration_seconds")
+        return cls(
+            id=int(job["id"]),
+            lease_token=str(job["lease_token"]),
+            lease_seconds=lease_seconds,
+            heartbeat_interval=max(0.5, interval),
+            attempt=int(job.get("attempt") or 1),
+            max_attempts=int(job.get("max_attempts") or 1),
+            batch_id=batch.get("id"),
+            batch_name=str(batch.get("name", "")),
+            item_id=item.get("id"),
+            source=str(item.get("source", "")),
+            params=item.get("params") if isinstance(item.get("params"), dict) else {},
+            duration=float(duration) if _is_number(duration) else None,
+        )
+
+    @property
+    def tag(self) -> str:
+        """What every log line about this job starts with."""
+        return f"job={self.id} attempt={self.attempt}/{self.max_attempts}"
+
+
+@dataclass(frozen=True)
+class Success:
+    result: dict
+
+
+@dataclass(frozen=True)
+class Failure:
+    error: str
+    retryable: bool = True
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The engine was stopped on purpose (lease lost, or shutting down)."""
+
+    reason: str
+
+
+Outcome = Success | Failure | Aborted
+
+
+class Cancellation:
+    """Stops one job's engine from any thread: sets a flag, runs kill hooks once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._hooks: list[Callable[[], None]] = []
+        self.reason = ""
+
+    def cancel(self, reason: str) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self.reason = reason
+            self._event.set()
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` on cancel (now, if already cancelled)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._hooks.append(hook)
+                return
+        hook()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True if cancelled meanwhile."""
+        return self._event.wait(seconds)
+
+
+# --- Results: never send the server a body it must refuse ------------------------
+
+
+def clean_text(value: Any, limit: int | None = None) -> str:
+    """A string the server accepts: no NUL, no unpaired surrogates, maybe capped.
+
+    Capping keeps the end (for stderr, the last lines say what went wrong).
+    """
+    text = value if isinstance(value, str) else str(value)
+    text = text.replace("\x00", "")
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    if limit is not None and len(text) > limit:
+        text = "[…]" + text[-(limit - 3) :]
+    return text
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def _clean_json(value: Any) -> Any:
+    """Any JSON value made safe: clean strings, no NaN/Infinity."""
+    if isinstance(value, dict):
+        return {clean_text(k): _clean_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean_json(v) for v in value]
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return clean_text(value)
+
+
+def normalize_result(data: Any) -> dict:
+    """Shape an engine's output into a result the server accepts.
+
+    ``text`` becomes a string (joined from the segments if missing);
+    ``segments`` keep ``start``, ``end`` (seconds, rounded to ms, 0 <= start <=
+    end) and ``text``, and are dropped when unusable; ``language`` is kept if it
+    is a string. Other top-level fields are kept, cleaned. Raises ValueError when
+    there is nothing that looks like a transcript.
+    """
+    if isinstance(data, str):
+        return {"text": clean_text(data)}
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    segments = _clean_segments(data.get("segments"))
+    if isinstance(data.get("text"), str):
+        text = clean_text(data["text"])
+    elif segments is not None:
+        text = " ".join(s["text"].strip() for s in segments if s["text"].strip())
+    else:
+        raise ValueError("the JSON has neither 'text' nor 'segments'")
+    result = {
+        k: _clean_json(v)
+        for k, v in data.items()
+        if k not in ("text", "segments", "language")
+    }
+    result["text"] = text
+    if segments is not None:
+        result["segments"] = segments
+    if isinstance(data.get("language"), str):
+        result["language"] = clean_text(data["language"])
+    return result
+
+
+def _clean_segments(raw: Any) -> list[dict] | None:
+    if not isinstance(raw, list):
+        return None
+    segments = []
+    for segment in raw:
+        if not isinstance(segment, dict):
+            continue
+        start, end = segment.get("start"), segment.get("end")
+        if not (_is_number(start) and _is_number(end)):
+            continue
+        start = round(max(0.0, float(start)), 3)
+        end = round(max(start, float(end)), 3)
+        text = segment.get("text")
+        segments.append({"start": start, "end": end, "text": clean_text(text or "")})
+    return segments
+
+
+def parse_output(stdout: bytes, outdir: str) -> dict:
+    """The engine's result, from the files it wrote or from what it printed.
+
+    In order: a ``*.json`` file in the output directory (``result.json`` first,
+    then the others by name), JSON printed on stdout (the whole of it, or its
+    last line), plain text printed on stdout, a ``*.txt`` file in the output
+    directory. Raises ValueError when the engine produced none of them, or
+    malformed JSON.
+    """
+    files = sorted(os.listdir(outdir))
+    for name in sorted(
+        (n for n in files if n.endswith(".json")), key=lambda n: n != "result.json"
+    ):
+        with open(os.path.join(outdir, name), "rb") as f:
+            try:
+                data = json.loads(f.read())
+            except ValueError as error:
+                raise ValueError(f"{name} is not valid JSON: {error}") from None
+        return normalize_result(data)
+    text = stdout.decode("utf-8", "replace")
+    if text.strip():
+        stripped = text.strip()
+        candidates = [stripped, stripped.splitlines()[-1]]
+        for candidate in candidates:
+            if candidate.startswith("{"):
+                try:
+                    return normalize_result(json.loads(candidate))
+                except ValueError:
+                    continue
+        return {"text": clean_text(stripped)}
+    for name in (n for n in files if n.endswith(".txt")):
+        with open(os.path.join(outdir, name), encoding="utf-8", errors="replace") as f:
+            return {"text": clean_text(f.read().strip())}
+    raise ValueError(
+        "the engine exited 0 but wrote no result (no JSON or text file in the "
+        "output directory, nothing on stdout); a silent file should still "
+        'produce {"text": ""}'
+    )
+
+
+# --- Engines ----------------------------------------------------------------------
+
+
+class Engine:
+    """Turns one job into an Outcome; must stop promptly when cancelled."""
+
+    name = "engine"
+
+    def run(self, job: Job, cancel: Cancellation) -> Outcome:
+        raise NotImplementedError
+
+
+class _Params:
+    """``{params}`` formats as JSON; ``{params[name]}`` as that one value."""
+
+    def __init__(self, params: dict):
+        self.params = params
+
+    def __format__(self, spec: str) -> str:
+        return json.dumps(self.params, ensure_ascii=False)
+
+    def __getitem__(self, key: str) -> str:
+        if key not in self.params:
+            raise MissingParam(key)
+        value = self.params[key]
+        return value if isinstance(value, str) else json.dumps(value)
+
+
+class MissingParam(KeyError):
+    """The command template needs a param this item does not have."""
+
+
+def source_path(source: str) -> str:
+    """A ``file://`` URL as a local path; anything else unchanged."""
+    parsed = urllib.parse.urlsplit(source)
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
+        return urllib.parse.unquote(parsed.path)
+    return source
+
+
+PLACEHOLDERS = {
+    "source": "the item's source, as in the manifest",
+    "source_path": "the same, file:// URLs as local paths",
+    "outdir": "an empty directory for output files",
+    "params": "the item's params as JSON",
+    "params[NAME]": "one param (a missing one fails the job)",
+    "duration": "audio seconds from the manifest, or empty",
+    "job_id": "the job id",
+    "item_id": "the item id",
+    "batch_id": "the batch id",
+    "attempt": "the attempt number (1 for the first)",
+}
+
+
+def _placeholder_values(job: Job, outdir: str) -> dict[str, Any]:
+    return {
+        "source": job.source,
+        "source_path": source_path(job.source),
+        "outdir": outdir,
+        "params": _Params(job.params),
+        "duration": "" if job.duration is None else f"{job.duration:g}",
+        "job_id": str(job.id),
+        "item_id": "" if job.item_id is None else str(job.item_id),
+        "batch_id": "" if job.batch_id is None else str(job.batch_id),
+        "attempt": str(job.attempt),
+    }
+
+
+def check_template(template: str) -> list[str]:
+    """Split ``template`` like a shell would (no shell runs it) and check every
+    placeholder, so a typo fails at start-up instead of on every job."""
+    try:
+        argv = shlex.split(template)
+    except ValueError as error:
+        raise ValueError(f"cannot split the command: {error}") from None
+    if not argv:
+        raise ValueError("the command is empty")
+    formatter = string.Formatter()
+    for arg in argv:
+        try:
+            fields = list(formatter.parse(arg))
+        except ValueError as error:
+            raise ValueError(
+                f"{arg!r}: {error} (write {{{{ and }}}} for braces)"
+            ) from None
+        for _, name, _, _ in fields:
+            if name is None:
+                continue
+            root = name.split("[", 1)[0].split(".", 1)[0]
+            if root not in PLACEHOLDERS:
+                known = ", ".join(f"{{{p}}}" for p in PLACEHOLDERS)
+                raise ValueError(f"unknown placeholder {{{name}}}; known: {known}")
+            if name != root and not (root == "params" and name.startswith("params[")):
+                raise ValueError(f"{{{name}}}: only {{params[NAME]}} takes an index")
+    return argv
+
+
+class CommandEngine(Engine):
+    """Runs a command per job; see ``--command`` in ``--help``."""
+
+    name = "command"
+
+    def __init__(
+        self,
+        template: str,
+        *,
+        timeout: float | None,
+        non_retryable: frozenset[int],
+        workdir: str | None,
+        registry: ProcessRegistry,
+    ):
+        self.argv = check_template(template)
+        self.timeout = timeout
+        self.non_retryable = non_retryable
+        self.workdir = workdir
+        self.registry = registry
+
+    def run(self, job: Job, cancel: Cancellation) -> Outcome:
+        outdir = tempfile.mkdtemp(prefix=f"recall-job{job.id}-", dir=self.workdir)
+        try:
+            return self._run(job, cancel, outdir)
+        finally:
+            shutil.rmtree(outdir, ignore_errors=True)
+
+    def _run(self, job: Job, cancel: Cancellation, outdir: str) -> Outcome:
+        values = _placeholder_values(job, outdir)
+        try:
+            argv = [arg.format(**values) for arg in self.argv]
+        except MissingParam as error:
+            return Failure(
+                f"The command template needs params[{error.args[0]!r}], which this "
+                f"item does not have.",
+                retryable=False,
+            )
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=self._child_env(job, outdir),
+                # Its own process group, so killing it kills everything it started.
+                start_new_session=True,
+            )
+        except OSError as error:
+            return Failure(f"Could not start the engine {argv[0]!r}: {error}.")
+        self.registry.add(proc)
+        try:
+            return self._wait(job, cancel, proc, outdir)
+        finally:
+            self.registry.remove(proc)
+
+    def _wait(
+        self, job: Job, cancel: Cancellation, proc: subprocess.Popen, outdir: str
+    ) -> Outcome:
+        stdout: list[bytes] = []
+        stderr: deque[bytes] = deque()
+        readers = [
+            threading.Thread(
+                target=_read_all, args=(proc.stdout, stdout, MAX_STDOUT_BYTES)
+            ),
+            threading.Thread(target=_read_tail, args=(proc.stderr, stderr)),
+        ]
+        for reader in readers:
+            reader.daemon = True
+            reader.start()
+        cancel.on_cancel(lambda: kill_group(proc))
+        timed_out = False
+        try:
+            proc.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc)
+            proc.wait()
+        # Whatever the engine left running in its group goes with it.
+        kill_group(proc)
+        for reader in readers:
+            reader.join(timeout=5)
+        tail = b"".join(stderr).decode("utf-8", "replace").strip()
+        if cancel.is_set():
+            return Aborted(cancel.reason)
+        if timed_out:
+            return Failure(
+                _with_tail(
+                    f"The engine timed out after {self.timeout:g}s and was killed.",
+                    tail,
+                )
+            )
+        status = proc.returncode
+        if status != 0:
+            if status < 0:
+                try:
+                    name = signal.Signals(-status).name
+                except ValueError:
+                    name = f"signal {-status}"
+                message = f"The engine was killed by {name}."
+            else:
+                message = f"The engine exited with status {status}."
+            return Failure(
+                _with_tail(message, tail), retryable=status not in self.non_retryable
+            )
+        output = b"".join(stdout)
+        if len(output) > MAX_STDOUT_BYTES:
+            return Failure(f"The engine printed more than {MAX_STDOUT_BYTES} bytes.")
+        try:
+            return Success(parse_output(output, outdir))
+        except (ValueError, OSError) as error:
+            return Failure(_with_tail(f"Unusable engine output: {error}.", tail))
+
+    @staticmethod
+    def _child_env(job: Job, outdir: str) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(PRIVATE_ENV_PREFIXES)
+        }
+        env.pop("RECALL_URL", None)
+        for name, value in _placeholder_values(job, outdir).items():
+            env[f"RECALL_{name.upper()}"] = format(value)
+        return env
+
+
+def _read_all(pipe: Any, chunks: list[bytes], limit: int) -> None:
+    """Collect a pipe up to ``limit`` (+1 byte, to notice overflow); drain the rest."""
+    size = 0
+    for chunk in iter(lambda: pipe.read1(65536), b""):
+        if size <= limit:
+            chunks.append(chunk)
+            size += len(chunk)
+    pipe.close()
+
+
+def _read_tail(pipe: Any, chunks: deque[bytes]) -> None:
+    """Keep the last STDERR_TAIL_BYTES of a pipe: the end says what went wrong."""
+    size = 0
+    for chunk in iter(lambda: pipe.read1(65536), b""):
+        chunks.append(chunk)
+        size += len(chunk)
+        while size - len(chunks[0]) >= STDERR_TAIL_BYTES:
+            size -= len(chunks.popleft())
+    pipe.close()
+
+
+def _with_tail(message: str, tail: str) -> str:
+    if not tail:
+        return message
+    return message + "\n--- stderr (last lines) ---\n" + tail
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the engine's whole process group (it is the group's leader)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+class ProcessRegistry:
+    """Engine processes alive right now, so a hard exit can kill them first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.add(proc)
+
+    def remove(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs.discard(proc)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            procs = list(self._procs)
+        for proc in procs:
+            kill_group(proc)
+
+
+SIM_SENTENCES = (
+    "Thanks everyone for joining today.",
+    "Let's start with a quick round of updates.",
+    "The first results came back on Tuesday.",
+    "We saw a clear improvement over last quarter.",
+    "I think we should look at the numbers again.",
+    "Can you say a bit more about that?",
+    "That's a fair point, and it's worth checking.",
+    "The field team interviewed forty households.",
+    "Most people mentioned the cost of transport.",
+    "We'll send the summary by the end of the week.",
+    "Sorry, could you repeat the last part?",
+    "The recording quality was good in most places.",
+    "Let's move on to the next item on the agenda.",
+    "She said the new schedule works much better.",
+    "We still need a decision on the budget.",
+    "I'll follow up with the regional office.",
+    "Does anyone have questions before we wrap up?",
+    "Thank you, that's all for today.",
+)
+
+
+def simulated_transcript(item_id: int | None, duration: float) -> dict:
+    """A plausible transcript with timed segments covering ``duration`` seconds.
+
+    Seeded by the item, so a retried item gets the same words.
+    """
+    rng = random.Random(item_id)
+    segments, t = [], 0.0
+    while t < duration:
+        length = min(rng.uniform(2.5, 7.0), duration - t)
+        text = rng.choice(SIM_SENTENCES)
+        segments.append(
+            {"start": round(t, 3), "end": round(t + length, 3), "text": text}
+        )
+        t += length + rng.uniform(0.2, 1.2)
+    return {
+        "text": " ".join(s["text"] for s in segments),
+        "segments": segments,
+        "language": "en",
+        "engine": "simulate",
+    }
+
+
+class SimulateEngine(Engine):
+    """A fake engine for demos and tests: see ``--simulate`` in ``--help``."""
+
+    name = "simulate"
+
+    def __init__(self, *, factor: float, fail_rate: float, default_duration: float):
+        self.factor = factor
+        self.fail_rate = fail_rate
+        self.default_duration = default_duration
+        self.rng = random.Random()
+
+    def run(self, job: Job, cancel: Cancellation) -> Outcome:
+        duration = job.duration if job.duration is not None else self.default_duration
+        work = max(0.0, duration * self.factor)
+        if self.rng.random() < self.fail_rate:
+            at = work * self.rng.uniform(0.1, 0.9)
+            if cancel.wait(at):
+                return Aborted(cancel.reason)
+            return Failure(
+                f"Simulated failure: the decoder crashed {at:.1f}s into the job "
+                f"(--simulate-fail-rate {self.fail_rate:g})."
+            )
+        if cancel.wait(work):
+            return Aborted(cancel.reason)
+        return Success(simulated_transcript(job.item_id, duration))
+
+
+# --- The worker -------------------------------------------------------------------
+
+
+class Shutdown:
+    """Process-wide stop state: the first signal starts a graceful stop."""
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self._requested_at: float | None = None
+        self.exit_code = EXIT_STOPPED
+        self._lock = threading.Lock()
+        self._jobs: set[Cancellation] = set()
+
+    @property
+    def requested(self) -> bool:
+        return self._requested_at is not None
+
+    def request(self, reason: str, exit_code: int = EXIT_STOPPED) -> bool:
+        """Start stopping; False if already stopping. Cancels every running job."""
+        with self._lock:
+            if self._requested_at is not None:
+                return False
+            self._requested_at = time.monotonic()
+            self.exit_code = exit_code
+            jobs = list(self._jobs)
+        log.info("stopping (%s): engines stopped, leases being released", reason)
+        for cancel in jobs:
+            cancel.cancel("shutdown")
+        return True
+
+    def grace_over(self) -> bool:
+        """True once stopping has taken longer than the grace period."""
+        at = self._requested_at
+        return at is not None and time.monotonic() - at > self.grace
+
+    def track(self, cancel: Cancellation) -> None:
+        with self._lock:
+            self._jobs.add(cancel)
+            stopping = self._requested_at is not None
+        if stopping:
+            cancel.cancel("shutdown")
+
+    def untrack(self, cancel: Cancellation) -> None:
+        with self._lock:
+            self._jobs.discard(cancel)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the slots need of the options (see ``build_parser``)."""
+
+    poll_min: float = 1.0
+    poll_max: float = 30.0
+    http_timeout: float = 30.0
+
+
+class Slot(threading.Thread):
+    """One job at a time, forever: claim, run, heartbeat, complete or fail.
+
+    ``--concurrency N`` runs N slots; each holds its own lease.
+    """
+
+    def __init__(
+        self,
+        number: int,
+        *,
+        api: Api,
+        engine: Engine,
+        settings: Settings,
+        shutdown: Shutdown,
+    ):
+        super().__init__(name=f"slot-{number}")
+        self.api, self.engine, self.settings = api, engine, settings
+        self.shutdown = shutdown
+
+    def run(self) -> None:
+        try:
+            while not self.shutdown.requested:
+                job = self.claim()
+                if job is None:
+                    break
+                self.work(job)
+        except Refused as error:
+            self.refused(error)
+        except Exception:
+            log.exception("unexpected error; stopping the worker")
+            self.shutdown.request("unexpected error", exit_code=1)
+
+    def refused(self, error: Refused) -> None:
+        hint = {
+            401: "check RECALL_TOKEN (create one with `manage.py create_worker`)",
+            403: "an operator disabled this worker",
+        }.get(error.status, "check RECALL_URL")
+        log.error("the server refused this worker: %s (%s)", error, hint)
+        self.shutdown.request("refused by the server", exit_code=EXIT_REFUSED)
+
+    # Claiming.
+
+    def claim(self) -> Job | None:
+        """The next job, or None once stopping.
+
+        An empty queue (204) is polled with jittered backoff up to --poll-max,
+        and so is a claim the server refused for a reason no retry inside
+        ``Api.call`` could fix; the pause resets once work arrives.
+        """
+        empty = 0
+        pauses = 0
+        while not self.shutdown.requested:
+            try:
+                status, payload = self.api.call(
+                    "/claim", {}, what="claim", give_up=lambda: self.shutdown.requested
+                )
+            except GaveUp:
+                return None
+            except (LeaseLost, Rejected) as error:
+                if error.status == 404:  # no API here: the URL is wrong
+                    raise Refused(error.status, error.code, error.detail) from None
+                log.error("claim refused: %s", error)
+            else:
+                if status == 204 or payload is None:
+                    empty += 1
+                    if empty == 1:
+                        log.info(
+                            "queue empty; polling with backoff up to %gs",
+                            self.settings.poll_max,
+                        )
+                else:
+                    try:
+                        job = Job.from_claim(payload)
+                    except (KeyError, TypeError, ValueError) as error:
+                        log.error("claim: malformed response (%r): %s", error, payload)
+                    else:
+                        if empty:
+                            log.info("work available after %d empty polls", empty)
+                        return self.adopt(job)
+            pauses += 1
+            delay = backoff_delay(
+                pauses, base=self.settings.poll_min, cap=self.settings.poll_max
+            )
+            pause(delay, lambda: self.shutdown.requested)
+        return None
+
+    def adopt(self, job: Job) -> Job | None:
+        duration = "unknown" if job.duration is None else f"{job.duration:g}s"
+        log.info(
+            "%s claimed: batch=%s item=%s source=%s duration=%s lease=%gs",
+            job.tag,
+            job.batch_id,
+            job.item_id,
+            job.source,
+            duration,
+            job.lease_seconds,
+        )
+        if self.shutdown.requested:  # a signal arrived while the claim was in flight
+            self.release(job)
+            return None
+        return job
+
+    # Working.
+
+    def work(self, job: Job) -> None:
+        cancel = Cancellation()
+        done = threading.Event()
+        self.shutdown.track(cancel)
+        beat = Heartbeat(job, self.api, cancel, done, self.shutdown)
+        beat.start()
+        started = time.monotonic()
+        try:
+            outcome = self.engine.run(job, cancel)
+        except Exception as error:  # an engine bug must not kill the worker
+            log.exception("%s engine error", job.tag)
+            outcome = Failure(f"The worker's engine raised {error!r}.")
+        finally:
+            done.set()
+            self.shutdown.untrack(cancel)
+        elapsed = time.monotonic() - started
+        try:
+            if beat.lost is not None:
+                log.warning(
+                    "%s abandoned after %.1fs: lease lost (%s)",
+                    job.tag,
+                    elapsed,
+                    beat.lost,
+                )
+            elif isinstance(outcome, Success):
+                self.complete(job, outcome.result, elapsed)
+            elif isinstance(outcome, Failure):
+                self.fail(job, outcome, elapsed)
+            elif outcome.reason == "shutdown":
+                self.release(job)
+            else:
+                log.warning("%s abandoned: %s", job.tag, outcome.reason)
+        finally:
+            beat.join(timeout=self.settings.http_timeout + 1)
+        if beat.refused is not None:
+            raise beat.refused
+
+    def _finishing(self) -> bool:
+        """Give up a completion or failure report only once the grace is over."""
+        return self.shutdown.grace_over()
+
+    def complete(self, job: Job, result: dict, elapsed: float) -> None:
+        body = {"lease_token": job.lease_token, "result": result}
+        try:
+            self.api.call(
+                f"/jobs/{job.id}/complete",
+                body,
+                what=f"{job.tag} complete",
+                give_up=self._finishing,
+            )
+        except LeaseLost as error:
+            log.warning("%s result discarded: lease lost (%s)", job.tag, error.detail)
+            return
+        except Rejected as error:
+            if error.status == 404:
+                log.warning("%s result discarded: the job is gone", job.tag)
+                return
+            # 413 (too large) or 400: this result will never be accepted.
+            log.error("%s result refused: %s", job.tag, error)
+            self.fail(
+                job,
+                Failure(
+                    f"The server refused the result ({error.status} {error.code}: "
+                    f"{error.detail}).",
+                    retryable=False,
+                ),
+                elapsed,
+            )
+            return
+        except GaveUp as error:
+            log.error(
+                "%s complete abandoned while stopping (%s); the lease will expire "
+                "and the job will run again",
+                job.tag,
+                error,
+            )
+            return
+        log.info(
+            "%s completed in %.1fs: %d chars, %d segments",
+            job.tag,
+            elapsed,
+            len(result.get("text", "")),
+            len(result.get("segments") or []),
+        )
+
+    def fail(self, job: Job, failure: Failure, elapsed: float) -> None:
+        body = {
+            "lease_token": job.lease_token,
+            "error": clean_text(failure.error, MAX_ERROR_CHARS),
+            "retryable": failure.retryable,
+        }
+        first_line = failure.error.strip().splitlines()[0] if failure.error else ""
+        try:
+            _, payload = self.api.call(
+                f"/jobs/{job.id}/fail",
+                body,
+                what=f"{job.tag} fail",
+                give_up=self._finishing,
+            )
+        except (LeaseLost, Rejected) as error:
+            log.warning("%s failure not recorded: %s", job.tag, error)
+            return
+        except GaveUp as error:
+            log.error("%s fail abandoned while stopping (%s)", job.tag, error)
+            return
+        log.warning(
+            "%s failed after %.1fs (%s, job now %s): %s",
+            job.tag,
+            elapsed,
+            "retryable" if failure.retryable else "not retryable",
+            (payload or {}).get("status", "?"),
+            first_line,
+        )
+
+    def release(self, job: Job) -> None:
+        body = {"lease_token": job.lease_token}
+        try:
+            self.api.call(
+                f"/jobs/{job.id}/release",
+                body,
+                what=f"{job.tag} release",
+                give_up=self.shutdown.grace_over,
+            )
+        except (LeaseLost, Rejected) as error:
+            log.warning("%s release not needed: %s", job.tag, error)
+            return
+        except Refused as error:
+            log.error("%s release refused: %s", job.tag, error)
+            return
+        except GaveUp as error:
+            log.error(
+                "%s release abandoned (%s): the lease expires in at most %gs",
+                job.tag,
+                error,
+                job.lease_seconds,
+            )
+            return
+        log.info("%s released: queued again at once", job.tag)
+
+
+class Heartbeat(threading.Thread):
+    """Extends one lease every ``heartbeat_interval`` until the job is done.
+
+    A 409 means the server took the lease back: the engine is killed at once and
+    the job abandoned. Network trouble is retried; the lease stays live on the
+    server until it is reclaimed, so a late heartbeat may still save it.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        api: Api,
+        cancel: Cancellation,
+        done: threading.Event,
+        shutdown: Shutdown,
+    ):
+        super().__init__(name=f"{threading.current_thread().name}-hb", daemon=True)
+        self.job, self.api, self.cancel, self.done = job, api, cancel, done
+        self.shutdown = shutdown
+        self.lost: str | None = None
+        self.refused: Refused | None = None
+
+    def run(self) -> None:
+        job = self.job
+        interval = job.heartbeat_interval
+        last_ok = time.monotonic()
+        warned = False
+        while not self.done.wait(max(0.0, last_ok + interval - time.monotonic())):
+            try:
+                self.api.call(
+                    f"/jobs/{job.id}/heartbeat",
+                    {"lease_token": job.lease_token},
+                    what=f"{job.tag} heartbeat",
+                    give_up=self.done.is_set,
+                    cap=interval,
+                    timeout=max(2.0, min(self.api.timeout, interval)),
+                )
+            except GaveUp:
+                return
+            except (LeaseLost, Rejected) as error:
+                if self.done.is_set():
+                    return  # the job ended meanwhile: nothing to abandon
+                self.lost = f"{error.status} {error.code}"
+                log.warning("%s lease lost on heartbeat: stopping the engine", job.tag)
+                self.cancel.cancel("lease lost")
+                return
+            except Refused as error:
+                self.refused = error
+                self.cancel.cancel("refused")
+                return
+            else:
+                last_ok = time.monotonic()
+                warned = False
+                log.debug("%s heartbeat ok", job.tag)
+                continue
+            finally:
+                silent = time.monotonic() - last_ok
+                if not warned and silent > job.lease_seconds and not self.done.is_set():
+                    warned = True
+                    log.warning(
+                        "%s no heartbeat accepted for %.0fs (lease %gs): the lease "
+                        "may be reclaimed; working on until the server says so",
+                        job.tag,
+                        silent,
+                        job.lease_seconds,
+                    )
+
+
+# --- Command line -----------------------------------------------------------------
+
+DESCRIPTION = """\
+Recall reference worker: claims transcription jobs from Recall, runs an engine
+on each, heartbeats while it works, and completes or fails the job; forever,
+until stopped. One file, Python 3.11+, standard library only.
+
+Every option can also be set in the environment (shown as [env NAME]); the
+command line wins. Prefer RECALL_TOKEN or --token-file to --token, which other
+users of the machine can see in the process list.
+"""
+
+EPILOG = """\
+engines:
+  --simulate           a built-in fake engine (demos, tests): takes
+                       duration x --simulate-factor seconds and returns a
+                       plausible transcript with segments.
+  --command TEMPLATE   runs TEMPLATE per job. It is split like a shell command
+                       line (quotes work) but no shell runs it, so a source with
+                       spaces or quotes stays one argument. Placeholders:
+{placeholders}
+                       Write {{{{ and }}}} for literal braces. The engine also gets
+                       them as environment variables (RECALL_SOURCE,
+                       RECALL_OUTDIR, RECALL_PARAMS, ...), never the worker's
+                       token. It runs in a process group of its own, which is
+                       killed when the lease is lost, on shutdown and on timeout.
+
+  The result is read, in this order, from: a *.json file the engine wrote in
+  {{outdir}} (result.json first); JSON printed on stdout (all of it, or its last
+  line); plain text printed on stdout; a *.txt file in {{outdir}}. JSON has a
+  "text" string and optionally "segments" ([{{"start", "end", "text"}}], seconds)
+  and "language"; other fields are kept. An engine that exits 0 but produces no
+  output fails the job.
+
+engine exit status:
+  0                    success: the output is the result.
+  65, 66 (default)     the input is bad (EX_DATAERR) or missing (EX_NOINPUT):
+                       the job fails for good, without a retry. Change the set
+                       with --non-retryable-exit-codes.
+  anything else        the job fails and is retried (the server applies backoff
+                       and the attempt limit), as do a timeout and a kill by a
+                       signal. The error sent is the last lines of stderr.
+
+worker exit status:
+  0    stopped by SIGTERM/SIGINT: engines killed, leases released
+  2    bad command line
+  3    the server refused this worker (401 bad token, 403 disabled, wrong URL):
+       restarting will not help (systemd: RestartPreventExitStatus=3)
+  128+N  a second signal N arrived while stopping: exited at once
+
+examples:
+  export RECALL_URL=https://recall.example.com RECALL_TOKEN=...
+  python3 recall_worker.py --simulate --concurrency 4
+  python3 recall_worker.py --command \\
+      'python3 examples/pocketsphinx_engine.py {{source_path}}'
+  python3 recall_worker.py --timeout 3600 --command 'whisper {{source_path}}
+      --model small --output_format json --output_dir {{outdir}}'
+"""
+
+
+def _env(name: str, default: Any = None) -> Any:
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text!r}")
+    return value
+
+
+def _exit_codes(text: str) -> frozenset[int]:
+    if text.strip().lower() == "none":
+        return frozenset()
+    try:
+        codes = frozenset(int(c) for c in text.replace(" ", "").split(",") if c)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated numbers, not {text!r}"
+        ) from None
+    if any(not 1 <= c <= 255 for c in codes):
+        raise argparse.ArgumentTypeError("exit codes are between 1 and 255")
+    return codes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    placeholders = "\n".join(
+        f"    {{{name}}}".ljust(23) + doc for name, doc in PLACEHOLDERS.items()
+    )
+    parser = argparse.ArgumentParser(
+        prog="recall_worker.py",
+        description=DESCRIPTION,
+        epilog=EPILOG.format(placeholders=placeholders),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add(
+        "--url",
+        default=_env("RECALL_URL"),
+        help="Recall's base URL, e.g. https://recall.example.com [env RECALL_URL]",
+    )
+    add(
+        "--token",
+        default=_env("RECALL_TOKEN"),
+        help="this worker's API token (from `manage.py create_worker`) "
+        "[env RECALL_TOKEN]",
+    )
+    add(
+        "--token-file",
+        default=_env("RECALL_TOKEN_FILE"),
+        metavar="PATH",
+        help="read the token from this file instead [env RECALL_TOKEN_FILE]",
+    )
+    engine = parser.add_mutually_exclusive_group()
+    engine.add_argument(
+        "--command",
+        default=_env("RECALL_WORKER_COMMAND"),
+        metavar="TEMPLATE",
+        help="run this command per job (see 'engines' below) "
+        "[env RECALL_WORKER_COMMAND]",
+    )
+    engine.add_argument(
+        "--simulate",
+        action="store_true",
+        default=_env("RECALL_WORKER_SIMULATE", "") not in ("", "0", "false", "off"),
+        help="use the built-in fake engine [env RECALL_WORKER_SIMULATE=1]",
+    )
+    add(
+        "--concurrency",
+        type=_positive_int,
+        default=_env("RECALL_WORKER_CONCURRENCY", "1"),
+        metavar="N",
+        help="run N jobs at once, each under its own lease (default 1) "
+        "[env RECALL_WORKER_CONCURRENCY]",
+    )
+    add(
+        "--timeout",
+        type=_non_negative_float,
+        default=_env("RECALL_WORKER_TIMEOUT", "0"),
+        metavar="SECONDS",
+        help="kill a --command engine after this long and fail the job "
+        "(retryable); 0 = no limit (default) [env RECALL_WORKER_TIMEOUT]",
+    )
+    add(
+        "--non-retryable-exit-codes",
+        type=_exit_codes,
+        default=_env(
+            "RECALL_WORKER_NON_RETRYABLE_EXIT_CODES", DEFAULT_NON_RETRYABLE_EXIT_CODES
+        ),
+        metavar="CODES",
+        help="engine exit statuses that fail the job for good, comma-separated "
+        f"(default {DEFAULT_NON_RETRYABLE_EXIT_CODES}; none: retry them all) "
+        "[env RECALL_WORKER_NON_RETRYABLE_EXIT_CODES]",
+    )
+    add(
+        "--workdir",
+        default=_env("RECALL_WORKER_WORKDIR"),
+        metavar="DIR",
+        help="where each job's {outdir} is created (default: the system's "
+        "temporary directory) [env RECALL_WORKER_WORKDIR]",
+    )
+    add(
+        "--simulate-factor",
+        type=_non_negative_float,
+        default=_env("RECALL_WORKER_SIMULATE_FACTOR", "0.05"),
+        metavar="X",
+        help="--simulate works X seconds per second of audio (default 0.05) "
+        "[env RECALL_WORKER_SIMULATE_FACTOR]",
+    )
+    add(
+        "--simulate-fail-rate",
+        type=_fraction,
+        default=_env("RECALL_WORKER_SIMULATE_FAIL_RATE", "0"),
+        metavar="P",
+        help="fraction of --simulate jobs that fail, retryably (default 0) "
+        "[env RECALL_WORKER_SIMULATE_FAIL_RATE]",
+    )
+    add(
+        "--simulate-default-duration",
+        type=_non_negative_float,
+        default=_env("RECALL_WORKER_SIMULATE_DEFAULT_DURATION", "60"),
+        metavar="SECONDS",
+        help="audio length --simulate assumes when the manifest gave none "
+        "(default 60) [env RECALL_WORKER_SIMULATE_DEFAULT_DURATION]",
+    )
+    add(
+        "--poll-min",
+        type=_positive_float,
+        default=_env("RECALL_WORKER_POLL_MIN", "1"),
+        metavar="SECONDS",
+        help="first pause after an empty queue; doubles per empty poll "
+        "(default 1) [env RECALL_WORKER_POLL_MIN]",
+    )
+    add(
+        "--poll-max",
+        type=_positive_float,
+        default=_env("RECALL_WORKER_POLL_MAX", "30"),
+        metavar="SECONDS",
+        help="longest pause between polls of an empty queue (default 30) "
+        "[env RECALL_WORKER_POLL_MAX]",
+    )
+    add(
+        "--retry-max",
+        type=_positive_float,
+        default=_env("RECALL_WORKER_RETRY_MAX", "30"),
+        metavar="SECONDS",
+        help="longest pause between retries of a failed call (default 30; "
+        "heartbeats retry within their interval) [env RECALL_WORKER_RETRY_MAX]",
+    )
+    add(
+        "--http-timeout",
+        type=_positive_float,
+        default=_env("RECALL_WORKER_HTTP_TIMEOUT", "30"),
+        metavar="SECONDS",
+        help="timeout of one API request (default 30) [env RECALL_WORKER_HTTP_TIMEOUT]",
+    )
+    add(
+        "--shutdown-grace",
+        type=_non_negative_float,
+        default=_env("RECALL_WORKER_SHUTDOWN_GRACE", "30"),
+        metavar="SECONDS",
+        help="after SIGTERM, how long to keep trying to release leases and send "
+        "finished results (default 30) [env RECALL_WORKER_SHUTDOWN_GRACE]",
+    )
+    add(
+        "--log-level",
+        default=_env("RECALL_WORKER_LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="DEBUG also logs every heartbeat (default INFO) "
+        "[env RECALL_WORKER_LOG_LEVEL]",
+    )
+    add("--version", action="version", version=f"%(prog)s {__version__}")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
+    """Parse and check the options; return them with the token."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.url:
+        parser.error("set the server's URL: --url or RECALL_URL")
+    parsed = urllib.parse.urlsplit(args.url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        parser.error(f"--url must be an http:// or https:// URL, not {args.url!r}")
+    token = args.token
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as error:
+            parser.error(f"cannot read --token-file: {error}")
+    if not token:
+        parser.error("set the worker token: RECALL_TOKEN, --token-file or --token")
+    if not token.isascii() or not token.isprintable() or " " in token:
+        parser.error("the worker token must be printable ASCII without spaces")
+    if not args.simulate and not args.command:
+        parser.error("choose an engine: --command TEMPLATE or --simulate")
+    if args.command:
+        try:
+            argv0 = check_template(args.command)[0]
+        except ValueError as error:
+            parser.error(f"--command: {error}")
+        if "{" not in argv0 and shutil.which(argv0) is None:
+            parser.error(f"--command: {argv0!r} is not an executable on PATH")
+    if args.poll_min > args.poll_max:
+        parser.error("--poll-min must not be larger than --poll-max")
+    return args, token
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, token = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s [%(threadName)s] %(message)s",
+        stream=sys.stderr,
+    )
+    registry = ProcessRegistry()
+    if args.simulate:
+        engine: Engine = SimulateEngine(
+            factor=args.simulate_factor,
+            fail_rate=args.simulate_fail_rate,
+            default_duration=args.simulate_default_duration,
+        )
+    else:
+        engine = CommandEngine(
+            args.command,
+            timeout=args.timeout or None,
+            non_retryable=args.non_retryable_exit_codes,
+            workdir=args.workdir,
+            registry=registry,
+        )
+    settings = Settings(
+        poll_min=args.poll_min, poll_max=args.poll_max, http_timeout=args.http_timeout
+    )
+    api = Api(args.url, token, timeout=args.http_timeout, retry_cap=args.retry_max)
+    shutdown = Shutdown(args.shutdown_grace)
+    install_signal_handlers(shutdown, registry)
+    log.info(
+        "recall-worker %s: url=%s engine=%s concurrency=%d",
+        __version__,
+        args.url,
+        engine.name,
+        args.concurrency,
+    )
+    slots = [
+        Slot(n, api=api, engine=engine, settings=settings, shutdown=shutdown)
+        for n in range(1, args.concurrency + 1)
+    ]
+    for slot in slots:
+        slot.start()
+    join_all(slots)
+    log.info("stopped (exit %d)", shutdown.exit_code)
+    return shutdown.exit_code
+
+
+def join_all(threads: list[threading.Thread]) -> None:
+    """Join threads in short waits, so signal handlers run on the main thread."""
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.2)
+
+
+def install_signal_handlers(shutdown: Shutdown, registry: ProcessRegistry) -> None:
+    """First SIGTERM/SIGINT: stop gracefully. Second: kill engines, exit now."""
+
+    def handle(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if shutdown.request(f"{name} received"):
+            return
+        registry.kill_all()
+        sys.stderr.write(f"recall-worker: second {name} while stopping: exiting now\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
