@@ -6,7 +6,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo run test lint format clean
+# make chaos knobs (see `python -m tests.chaos --help`).
+CHAOS_DURATION ?= 180
+CHAOS_WORKERS ?= 12
+CHAOS_ITEMS ?= 3000
+
+.PHONY: demo run test chaos lint format clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +30,9 @@ run: $(VENV)/.runtime
 
 test: $(VENV)/.dev
 	@scripts/test.sh $(PYTEST_ARGS)
+
+chaos: $(VENV)/.dev
+	$(PY) -m tests.chaos --duration $(CHAOS_DURATION) --workers $(CHAOS_WORKERS) --items $(CHAOS_ITEMS) $(CHAOS_ARGS)
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

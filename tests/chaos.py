@@ -20,6 +20,7 @@ all is well. ``python -m tests.chaos --help`` lists the knobs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -73,10 +74,8 @@ class Process:
 
     def signal(self, signum: int) -> None:
         if self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, signum)
-            except ProcessLookupError:
-                pass
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
@@ -95,10 +94,17 @@ class Process:
 
 def _manage(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [PY, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [PY, "manage.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if check and result.returncode != 0:
-        raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
+        raise RuntimeError(
+            f"manage.py {' '.join(args)} failed:\n{result.stdout}{result.stderr}"
+        )
     return result
 
 
@@ -142,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
             for i in range(args.workers)
         ]
         manifest = work / "manifest.csv"
-        lines = [f"chaos://item/{i:05d}.wav,{rng.randint(5, 600)}\n" for i in range(args.items - 1)]
+        lines = [
+            f"chaos://item/{i:05d}.wav,{rng.randint(5, 600)}\n"
+            for i in range(args.items - 1)
+        ]
         lines.insert(rng.randrange(len(lines) + 1), f"{POISON},60\n")
         manifest.write_text("source,duration_seconds\n" + "".join(lines))
         _manage(env, "create_batch", "chaos", str(manifest))
@@ -154,19 +163,38 @@ def run(args: argparse.Namespace) -> int:
             "RECALL_STARTUP_SWEEP": "quick",
             "RECALL_ACCESS_LOG": str(work / "access.log"),
         }
-        web = Process("gunicorn", [PY, "-m", "gunicorn", "-c", "gunicorn.conf.py"], web_env, work / "gunicorn.log")
+        web = Process(
+            "gunicorn",
+            [PY, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+            web_env,
+            work / "gunicorn.log",
+        )
         processes.append(web)
         _wait_for(lambda: _up(port), 60, "gunicorn did not start")
-        cluster = Process("qcluster", [PY, "manage.py", "qcluster"], env, work / "qcluster.log")
+        cluster = Process(
+            "qcluster", [PY, "manage.py", "qcluster"], env, work / "qcluster.log"
+        )
         processes.append(cluster)
 
-        worker_env = {"PATH": os.environ["PATH"], "RECALL_URL": f"http://127.0.0.1:{port}"}
+        worker_env = {
+            "PATH": os.environ["PATH"],
+            "RECALL_URL": f"http://127.0.0.1:{port}",
+        }
         engine = f"{PY} tests/chaos_engine.py {{source}}"
         workers = []
         for i, token in enumerate(tokens):
             worker = Process(
                 f"worker-{i}",
-                [PY, "worker/recall_worker.py", "--command", engine, "--poll-max", "2", "--retry-max", "2"],
+                [
+                    PY,
+                    "worker/recall_worker.py",
+                    "--command",
+                    engine,
+                    "--poll-max",
+                    "2",
+                    "--retry-max",
+                    "2",
+                ],
                 {**worker_env, "RECALL_TOKEN": token},
                 work / f"worker-{i}.log",
             )
@@ -174,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
             processes.append(worker)
 
         sweeper = threading.Thread(
-            target=_sweeps_killed_mid_pass, args=(env, rng, tally, stop_sweeps, work), daemon=True
+            target=_sweeps_killed_mid_pass,
+            args=(env, rng, tally, stop_sweeps, work),
+            daemon=True,
         )
         sweeper.start()
 
@@ -210,7 +240,10 @@ def run(args: argparse.Namespace) -> int:
             for worker in workers:
                 if not worker.alive():
                     worker.start()
-            remaining = _scalar(url, "SELECT count(*) FROM batches_batchitem WHERE status IN ('queued', 'transcribing')")
+            remaining = _scalar(
+                url,
+                "SELECT count(*) FROM batches_batchitem WHERE status IN ('queued', 'transcribing')",
+            )
             if remaining == 0:
                 break
             time.sleep(1)
@@ -230,10 +263,14 @@ def run(args: argparse.Namespace) -> int:
             pg.destroy()
 
 
-def _sweeps_killed_mid_pass(env, rng, tally: Tally, stop: threading.Event, work: Path) -> None:
+def _sweeps_killed_mid_pass(
+    env, rng, tally: Tally, stop: threading.Event, work: Path
+) -> None:
     """Run recall_sweep over and over; kill about half of the runs mid-pass."""
     while not stop.is_set():
-        sweep = Process("sweep", [PY, "manage.py", "recall_sweep"], env, work / "sweeps.log")
+        sweep = Process(
+            "sweep", [PY, "manage.py", "recall_sweep"], env, work / "sweeps.log"
+        )
         if rng.random() < 0.5:
             time.sleep(rng.uniform(0.3, 1.5))  # Django starts, then the pass begins
             if sweep.alive():
@@ -246,20 +283,34 @@ def _sweeps_killed_mid_pass(env, rng, tally: Tally, stop: threading.Event, work:
         stop.wait(rng.uniform(0.5, 2.0))
 
 
-def _verdict(args, env, url: str, work: Path, tally: Tally, remaining: int | None) -> int:
+def _verdict(
+    args, env, url: str, work: Path, tally: Tally, remaining: int | None
+) -> int:
     statuses = dict(_query(url, "SELECT source, status FROM batches_batchitem"))
     poison_ok = statuses.get(POISON) == "failed"
-    lost = sum(1 for source, status in statuses.items() if source != POISON and status != "done")
+    lost = sum(
+        1
+        for source, status in statuses.items()
+        if source != POISON and status != "done"
+    )
     duplicated = _scalar(
         url,
         "SELECT count(*) FROM (SELECT job_id FROM jobs_lease WHERE end_reason = 'completed' "
         "GROUP BY job_id HAVING count(*) > 1) AS twice",
     )
-    reclaims = _scalar(url, "SELECT count(*) FROM jobs_lease WHERE end_reason = 'expired'")
+    reclaims = _scalar(
+        url, "SELECT count(*) FROM jobs_lease WHERE end_reason = 'expired'"
+    )
     check = _manage(env, "recall_check", check=False)
-    mismatched = 0 if check.returncode == 0 else max(1, len(check.stdout.strip().splitlines()) - 1)
+    mismatched = (
+        0
+        if check.returncode == 0
+        else max(1, len(check.stdout.strip().splitlines()) - 1)
+    )
     server_errors, unavailable = _http_errors(work / "access.log")
-    crashes = _count(work / "gunicorn.log", "Internal Server Error") + _count(work / "gunicorn.log", "Traceback")
+    crashes = _count(work / "gunicorn.log", "Internal Server Error") + _count(
+        work / "gunicorn.log", "Traceback"
+    )
     fivexx = server_errors + crashes
     print(
         f"chaos: {len(statuses)} jobs, {tally.kills} kills ({tally.worker_kills} workers, "
@@ -271,7 +322,9 @@ def _verdict(args, env, url: str, work: Path, tally: Tally, remaining: int | Non
     )
     if check.returncode != 0:
         print(check.stdout, flush=True)
-    ok = lost == duplicated == mismatched == fivexx == 0 and poison_ok and remaining == 0
+    ok = (
+        lost == duplicated == mismatched == fivexx == 0 and poison_ok and remaining == 0
+    )
     return 0 if ok else 1
 
 
@@ -311,15 +364,36 @@ def _wait_for(check, timeout: float, message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=180, help="seconds of violence (default 180)")
-    parser.add_argument("--drain", type=float, default=240, help="longest wait for the batch to finish afterwards")
-    parser.add_argument("--workers", type=int, default=12, help="reference workers (default 12)")
-    parser.add_argument("--items", type=int, default=3000, help="items in the batch (default 3000)")
-    parser.add_argument("--lease", type=int, default=4, help="lease seconds (default 4)")
-    parser.add_argument("--kill-every", type=float, default=3, help="mean seconds between worker kills")
-    parser.add_argument("--web-processes", type=int, default=3, help="gunicorn processes (default 3)")
-    parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory and its logs")
+    parser.add_argument(
+        "--duration", type=float, default=180, help="seconds of violence (default 180)"
+    )
+    parser.add_argument(
+        "--drain",
+        type=float,
+        default=240,
+        help="longest wait for the batch to finish afterwards",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=12, help="reference workers (default 12)"
+    )
+    parser.add_argument(
+        "--items", type=int, default=3000, help="items in the batch (default 3000)"
+    )
+    parser.add_argument(
+        "--lease", type=int, default=4, help="lease seconds (default 4)"
+    )
+    parser.add_argument(
+        "--kill-every", type=float, default=3, help="mean seconds between worker kills"
+    )
+    parser.add_argument(
+        "--web-processes", type=int, default=3, help="gunicorn processes (default 3)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="random seed (default: random)"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory and its logs"
+    )
     args = parser.parse_args(argv)
     if args.seed is None:
         args.seed = random.randrange(1_000_000)

@@ -26,7 +26,11 @@ def main() -> int:
     time.sleep(random.uniform(0.05, 0.4))
     words = ["recall", "chaos", "lease", "heartbeat", "sweep", "fencing"]
     text = " ".join(random.choice(words) for _ in range(8))
-    print(json.dumps({"text": text, "segments": [{"start": 0.0, "end": 1.0, "text": text}]}))
+    print(
+        json.dumps(
+            {"text": text, "segments": [{"start": 0.0, "end": 1.0, "text": text}]}
+        )
+    )
     return 0
 
 

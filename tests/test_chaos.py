@@ -1,0 +1,42 @@
+"""The short chaos run (about a minute) that `make test` and CI include; `make
+chaos` runs the long one. See tests/chaos.py for what it does and checks."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .pgserver import available
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.skipif(
+        not available(), reason="PostgreSQL server binaries not installed"
+    ),
+]
+
+
+def test_a_short_chaos_run_loses_nothing_and_lies_about_nothing():
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.chaos", "--duration", "45", "--workers", "6",
+         "--items", "400", "--lease", "3", "--kill-every", "3", "--drain", "120"],
+        cwd=ROOT, capture_output=True, text=True, timeout=420,
+    )  # fmt: skip
+
+    summary = [
+        line
+        for line in result.stdout.splitlines()
+        if re.match(r"chaos: \d+ jobs", line)
+    ]
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    assert len(summary) == 1
+    assert re.search(
+        r"1 db restart, lost 0, duplicated 0, mismatched 0, 5xx 0", summary[0]
+    )
+    assert "poison failed as it should" in summary[0]
+    kills = int(re.search(r"(\d+) kills", summary[0]).group(1))
+    assert kills >= 10
