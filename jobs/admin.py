@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.models import LogEntry
@@ -533,19 +534,18 @@ class JobAdmin(BigTableAdmin):
         return Confirmation(
             title="Run reconciliation now",
             summary=(
-                "This runs one sweep of the whole database now, whichever jobs are "
-                f"selected. Right now {_jobs(expired)} hold an expired lease and "
-                f"{_jobs(live)} a lease in all; {flagged} batches wait for a recount "
-                f"and {cancels} cancelled batches still have unfinished jobs."
+                "This runs one sweep over the whole database now, whichever jobs "
+                "are selected."
             ),
             effects=[
-                "Expired leases are reclaimed (job queued again, or failed on its "
-                "last attempt).",
+                "Expired leases are reclaimed (the job queued again, or failed on "
+                f"its last attempt): {expired} now, of {live} live leases.",
                 "Every live lease, in-flight item and open lease-ledger row is "
-                "checked against its job, and interrupted batch cancels finished.",
+                "checked against its job; interrupted batch cancels are finished "
+                f"({cancels} cancelled batches have unfinished jobs now).",
                 f"A consistency scan checks {scan}.",
-                "Batches flagged for a recount are recounted; batches with nothing "
-                "left to do are marked finished.",
+                f"Batches flagged for a recount are recounted ({flagged} now); "
+                "batches with nothing left to do are marked finished.",
                 "Each repair is a short transaction of its own and is logged as an "
                 "event on its job; the report lists them when the run ends.",
             ],
@@ -669,6 +669,18 @@ class LeaseAdmin(BigTableAdmin):
 # --- Workers --------------------------------------------------------------------
 
 
+class WorkerForm(forms.ModelForm):
+    class Meta:
+        model = Worker
+        fields = ("name",)
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"].strip()
+        if not name or any(not c.isprintable() for c in name):
+            raise forms.ValidationError("Use 1 to 100 printable characters.")
+        return name
+
+
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
     """Workers: create (the token is shown once), disable, re-enable, rotate.
@@ -689,6 +701,7 @@ class WorkerAdmin(admin.ModelAdmin):
     list_filter = ("is_active",)
     search_fields = ("name",)
     ordering = ("name",)
+    form = WorkerForm
     actions = ("disable_workers", "enable_workers", "rotate_tokens")
     change_fields = (
         "name",
@@ -794,7 +807,7 @@ class WorkerAdmin(admin.ModelAdmin):
                 request,
                 Confirmation(
                     title="Rotate worker tokens",
-                    summary=f"{_workers(len(workers))} get a new token.",
+                    summary=f"New tokens for {_workers(len(workers))}.",
                     effects=[
                         "The old token stops working at once: every request with "
                         "it gets 401.",
@@ -844,8 +857,8 @@ class WorkerAdmin(admin.ModelAdmin):
                     f"{'re-enabled' if active else 'disabled'}.",
                     effects=effects,
                     skipped=(
-                        f"{_workers(skipped)} of the selection already "
-                        f"{'are active' if active else 'are disabled'}."
+                        f"{_workers(skipped)} of the selection will be skipped: "
+                        f"already {'active' if active else 'disabled'}."
                         if skipped
                         else None
                     ),
