@@ -178,19 +178,27 @@ class BulkAction:
     # The JobQuerySet transition: (actor=, now=, audit=) -> how many changed.
     transition: Callable[..., int]
     title: str
-    summary: str  # "{n} of the {selected} selected jobs ..."
-    effects: tuple[str, ...]
+    summary: str
+    changing: str  # the count label of the jobs that change
     skipped: str  # why the other selected jobs are left alone
-    button: str
-    done: str  # "{n} ..." after the run
+    effects: tuple[str, ...]  # "{chunk}": the chunk size
+    button: str  # "{n}": "3 jobs"
+    done: str  # "{n}": "3 jobs"
     audit: str  # the admin log's change message for each job
 
+
+IN_CHUNKS = (
+    "Jobs are changed in chunks of {chunk}, each chunk in a short transaction of "
+    "its own, so a large selection never holds many locks for long."
+)
 
 FORCE_RECLAIM = BulkAction(
     eligible=Q(status=JobStatus.LEASED),
     transition=lambda qs, **kw: qs.force_reclaim(**kw),
     title="Force reclaim leased jobs",
-    summary="{n} of the {selected} selected jobs are leased: their leases end now.",
+    summary="End the leases of the selected leased jobs now.",
+    changing="Leased: force-reclaimed",
+    skipped="not leased (any more)",
     effects=(
         "Each job goes back to queued with its item, in a transaction of its own; "
         "the attempt is not counted.",
@@ -198,7 +206,6 @@ FORCE_RECLAIM = BulkAction(
         "The worker that held it is fenced out: its next heartbeat, completion, "
         "failure or release for the job gets 409 and changes nothing.",
     ),
-    skipped="not leased (any more)",
     button="Force reclaim {n}",
     done="Force-reclaimed {n}: queued again, their old workers fenced out.",
     audit="Force reclaim: lease ended (ledger row closed as forced), job queued "
@@ -209,14 +216,15 @@ REQUEUE_FAILED = BulkAction(
     eligible=Q(status=JobStatus.FAILED, batch__cancelled_at__isnull=True),
     transition=lambda qs, **kw: qs.retry_failed(**kw),
     title="Requeue failed jobs",
-    summary="{n} of the {selected} selected jobs are failed: they are queued again.",
-    effects=(
-        "Each job and its item go back to queued with fresh attempts (0 used).",
-        "A batch marked finished is reopened so workers claim its jobs again.",
-        "Jobs are changed in chunks of "
-        f"{settings.RECALL_CHUNK_SIZE}, each chunk in its own short transaction.",
-    ),
+    summary="Queue the selected failed jobs again, with fresh attempts.",
+    changing="Failed: queued again",
     skipped="not failed, or in a cancelled batch (retry leaves those failed)",
+    effects=(
+        "Each job and its item go back to queued with fresh attempts (0 used); the "
+        "lease ledger keeps the failed attempts.",
+        "A batch marked finished is reopened so workers claim its jobs again.",
+        IN_CHUNKS,
+    ),
     button="Requeue {n}",
     done="Queued {n} again with fresh attempts.",
     audit="Requeue: queued again with fresh attempts.",
@@ -226,15 +234,15 @@ CANCEL_QUEUED = BulkAction(
     eligible=Q(status=JobStatus.QUEUED),
     transition=lambda qs, **kw: qs.cancel_queued(**kw),
     title="Cancel queued jobs",
-    summary="{n} of the {selected} selected jobs are queued: they are cancelled.",
+    summary="Cancel the selected queued jobs.",
+    changing="Queued: cancelled",
+    skipped="not queued",
     effects=(
         "Each job and its item become cancelled; workers will never claim them.",
         "A job a worker is claiming at this very moment is left alone (it is no "
         "longer queued).",
-        "Jobs are changed in chunks of "
-        f"{settings.RECALL_CHUNK_SIZE}, each chunk in its own short transaction.",
+        IN_CHUNKS,
     ),
-    skipped="not queued",
     button="Cancel {n}",
     done="Cancelled {n}.",
     audit="Cancel: job and item cancelled.",
@@ -450,18 +458,12 @@ class JobAdmin(BigTableAdmin):
     def _bulk(self, request: HttpRequest, queryset: QuerySet, action: BulkAction):
         """Confirm, then run ``action`` over the selection's eligible jobs, one
         chunk of ids at a time, and report what changed and what was skipped."""
-        counts = queryset.aggregate(
-            selected=Count("pk"), eligible=Count("pk", filter=action.eligible)
-        )
-        selected, eligible = counts["selected"], counts["eligible"]
         if not is_confirmed(request):
-            return render_confirmation(
-                self, request, self._preview(queryset, action, selected, eligible)
-            )
+            return render_confirmation(self, request, self._preview(queryset, action))
         now = timezone.now()
-        # The ids of changed jobs, to name the skipped ones of a small selection.
+        # Ticked rows (not "all N matching") are at most a page: name the skipped.
+        name_skipped = not selects_across(request)
         changed: list[int] = []
-        name_skipped = not selects_across(request) and selected <= NAME_SKIPPED_UP_TO
 
         def audit(jobs) -> None:
             log_changes(request, jobs, action.audit)
@@ -494,58 +496,77 @@ class JobAdmin(BigTableAdmin):
             )
         return None
 
-    def _preview(
-        self, queryset: QuerySet, action: BulkAction, selected: int, eligible: int
-    ) -> Confirmation:
+    def _preview(self, queryset: QuerySet, action: BulkAction) -> Confirmation:
+        counts = queryset.aggregate(
+            selected=Count("pk"), eligible=Count("pk", filter=action.eligible)
+        )
+        selected, eligible = counts["selected"], counts["eligible"]
         sample = queryset.filter(action.eligible).order_by("pk")[:SAMPLE_SIZE]
-        skipped = selected - eligible
         return Confirmation(
             title=action.title,
-            summary=action.summary.format(n=eligible, selected=selected),
-            effects=list(action.effects),
-            skipped=(
-                f"{_jobs(skipped)} of the selection will be skipped: {action.skipped}."
-                if skipped
-                else None
-            ),
+            summary=action.summary,
+            counts=[
+                ("Jobs selected", selected),
+                (action.changing, eligible),
+                (f"Skipped: {action.skipped}", selected - eligible),
+            ],
+            effects=[
+                effect.format(chunk=settings.RECALL_CHUNK_SIZE)
+                for effect in action.effects
+            ],
             sample=[_describe(job) for job in sample],
             changing=eligible,
             button=action.button.format(n=_jobs(eligible)) if eligible else None,
         )
 
     def _reconcile_preview(self) -> Confirmation:
+        """Cheap counts only (index lookups, no scan): what a run will look at."""
         now = timezone.now()
-        total = estimated_rows(Job.objects.all())
-        total = Job.objects.count() if total is None else total
+        estimate = estimated_rows(Job.objects.all())
+        total = Job.objects.count() if estimate is None else estimate
         budget = settings.RECALL_RECONCILE_SCAN_PER_SWEEP or total
-        expired = Job.objects.expired(now).count()
-        live = Job.objects.filter(status=JobStatus.LEASED).count()
-        flagged = Batch.objects.filter(recount_requested_at__isnull=False).count()
-        cancels = Batch.objects.filter(
-            cancelled_at__isnull=False, finished_at__isnull=True
-        ).count()
-        scan = (
-            f"all {total} jobs"
-            if budget >= total
-            else f"the next {budget} of about {total} jobs (the scheduled sweep "
-            "checks the rest in its next passes; `manage.py recall_sweep --full` "
-            "checks every job at once)"
-        )
+        if budget >= total:
+            scan = "The consistency scan checks every job against its item and batch."
+        else:
+            scan = (
+                f"The consistency scan checks the next {budget} jobs against their "
+                "items and batches; the scheduled sweep checks the rest in its next "
+                "passes (`manage.py recall_sweep --full` checks every job at once)."
+            )
         return Confirmation(
             title="Run reconciliation now",
             summary=(
-                "This runs one sweep over the whole database now, whichever jobs "
-                "are selected."
+                "Run one sweep over the whole database now, whichever jobs are "
+                "selected."
             ),
+            counts=[
+                ("Expired leases, to be reclaimed", Job.objects.expired(now).count()),
+                (
+                    "Live leases, to be checked",
+                    Job.objects.filter(status=JobStatus.LEASED).count(),
+                ),
+                # The scan goes by windows of ids: "about" this many.
+                ("Jobs the consistency scan checks (about)", min(budget, total)),
+                ("Jobs in all" + (" (estimated)" if estimate else ""), total),
+                (
+                    "Batches waiting for a recount",
+                    Batch.objects.filter(recount_requested_at__isnull=False).count(),
+                ),
+                (
+                    "Cancelled batches with unfinished jobs",
+                    Batch.objects.filter(
+                        cancelled_at__isnull=False, finished_at__isnull=True
+                    ).count(),
+                ),
+            ],
             effects=[
-                "Expired leases are reclaimed (the job queued again, or failed on "
-                f"its last attempt): {expired} now, of {live} live leases.",
+                "Expired leases are reclaimed: the job is queued again, or failed "
+                "on its last attempt.",
                 "Every live lease, in-flight item and open lease-ledger row is "
-                "checked against its job; interrupted batch cancels are finished "
-                f"({cancels} cancelled batches have unfinished jobs now).",
-                f"A consistency scan checks {scan}.",
-                f"Batches flagged for a recount are recounted ({flagged} now); "
-                "batches with nothing left to do are marked finished.",
+                "checked against its job; interrupted batch cancels are finished.",
+                scan,
+                "Batches waiting for a recount are recounted; batches with nothing "
+                "left to do are marked finished.",
                 "Each repair is a short transaction of its own and is logged as an "
                 "event on its job; the report lists them when the run ends.",
             ],
@@ -807,7 +828,8 @@ class WorkerAdmin(admin.ModelAdmin):
                 request,
                 Confirmation(
                     title="Rotate worker tokens",
-                    summary=f"New tokens for {_workers(len(workers))}.",
+                    summary="Give each selected worker a new token.",
+                    counts=[("Workers selected: new tokens", len(workers))],
                     effects=[
                         "The old token stops working at once: every request with "
                         "it gets 401.",
@@ -853,15 +875,19 @@ class WorkerAdmin(admin.ModelAdmin):
                 request,
                 Confirmation(
                     title=f"{verb} workers",
-                    summary=f"{_workers(len(changing))} will be "
-                    f"{'re-enabled' if active else 'disabled'}.",
+                    summary=f"{verb} the selected workers.",
+                    counts=[
+                        ("Workers selected", len(changing) + skipped),
+                        (
+                            "Re-enabled" if active else "Disabled",
+                            len(changing),
+                        ),
+                        (
+                            f"Skipped: already {'active' if active else 'disabled'}",
+                            skipped,
+                        ),
+                    ],
                     effects=effects,
-                    skipped=(
-                        f"{_workers(skipped)} of the selection will be skipped: "
-                        f"already {'active' if active else 'disabled'}."
-                        if skipped
-                        else None
-                    ),
                     sample=[_describe_worker(w) for w in changing[:SAMPLE_SIZE]],
                     changing=len(changing),
                     button=f"{verb} {_workers(len(changing))}" if changing else None,

@@ -216,11 +216,12 @@ class Confirmation:
     """What an action's confirmation page says before anything changes."""
 
     title: str
-    # How many rows will change, and what will happen to them (sentences).
+    # What the action does, in a sentence.
     summary: str
+    # Row counts: how many are selected, will change, will be skipped (and why).
+    counts: list[tuple[str, int]] = field(default_factory=list)
+    # What happens to each row that changes, and what else to know.
     effects: list[str] = field(default_factory=list)
-    # Selected rows the action will leave alone, and why (None: there are none).
-    skipped: str | None = None
     # The first rows that will change, as links; ``changing`` counts all of them.
     sample: list[str] = field(default_factory=list)
     changing: int = 0

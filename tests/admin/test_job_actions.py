@@ -79,12 +79,12 @@ def test_force_reclaim_confirms_then_ends_each_lease_and_audits_it(
 
     assert page.status_code == 200
     confirmation = page.context["confirmation"]
-    assert confirmation.summary == (
-        "2 of the 3 selected jobs are leased: their leases end now."
-    )
-    assert confirmation.skipped == (
-        "1 job of the selection will be skipped: not leased (any more)."
-    )
+    assert confirmation.summary == "End the leases of the selected leased jobs now."
+    assert confirmation.counts == [
+        ("Jobs selected", 3),
+        ("Leased: force-reclaimed", 2),
+        ("Skipped: not leased (any more)", 1),
+    ]
     assert confirmation.button == "Force reclaim 2 jobs"
     assert confirmation.changing == 2
     assert len(confirmation.sample) == 2
@@ -179,13 +179,14 @@ def test_requeue_failed_gives_fresh_attempts_and_reopens_the_batch(staff, worker
 
     page = act(client, "requeue_failed", ids, confirm=False)
 
-    assert page.context["confirmation"].summary == (
-        "2 of the 4 selected jobs are failed: they are queued again."
-    )
-    assert page.context["confirmation"].skipped == (
-        "2 jobs of the selection will be skipped: not failed, or in a cancelled "
-        "batch (retry leaves those failed)."
-    )
+    assert page.context["confirmation"].counts == [
+        ("Jobs selected", 4),
+        ("Failed: queued again", 2),
+        (
+            "Skipped: not failed, or in a cancelled batch (retry leaves those failed)",
+            2,
+        ),
+    ]
 
     response = act(client, "requeue_failed", ids, confirm=True)
 
@@ -228,9 +229,11 @@ def test_cancel_queued_cancels_job_item_and_counters_and_audits_it(staff, worker
 
     page = act(client, "cancel_queued", ids, confirm=False)
 
-    assert page.context["confirmation"].summary == (
-        "3 of the 4 selected jobs are queued: they are cancelled."
-    )
+    assert page.context["confirmation"].counts == [
+        ("Jobs selected", 4),
+        ("Queued: cancelled", 3),
+        ("Skipped: not queued", 1),
+    ]
 
     response = act(client, "cancel_queued", ids, confirm=True)
 
@@ -270,9 +273,11 @@ def test_all_matching_acts_on_the_filtered_list_in_chunks(staff, settings):
         client, "cancel_queued", page_ids, confirm=False, url=url, select_across=True
     )
 
-    assert page.context["confirmation"].summary == (
-        "5 of the 5 selected jobs are queued: they are cancelled."
-    )
+    assert page.context["confirmation"].counts == [
+        ("Jobs selected", 5),
+        ("Queued: cancelled", 5),
+        ("Skipped: not queued", 0),
+    ]
     assert page.context["select_across"] == "1"
 
     response = act(

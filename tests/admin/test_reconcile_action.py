@@ -37,7 +37,9 @@ def _drift(worker, other_worker):
     return batch, expired, stray, drifted
 
 
-def test_the_confirmation_says_what_a_run_will_do(staff, worker, other_worker):
+def test_the_confirmation_says_what_a_run_will_do(
+    staff, worker, other_worker, settings
+):
     batch, *_ = _drift(worker, other_worker)
     _, client = staff("oncall", "jobs.view_job", "jobs.run_reconcile")
 
@@ -45,13 +47,19 @@ def test_the_confirmation_says_what_a_run_will_do(staff, worker, other_worker):
 
     confirmation = page.context["confirmation"]
     assert confirmation.summary == (
-        "This runs one sweep over the whole database now, whichever jobs are selected."
+        "Run one sweep over the whole database now, whichever jobs are selected."
     )
-    assert confirmation.effects[0] == (
-        "Expired leases are reclaimed (the job queued again, or failed on its last "
-        "attempt): 1 now, of 1 live leases."
+    assert confirmation.counts == [
+        ("Expired leases, to be reclaimed", 1),
+        ("Live leases, to be checked", 1),
+        ("Jobs the consistency scan checks (about)", 4),
+        ("Jobs in all", 4),
+        ("Batches waiting for a recount", 0),
+        ("Cancelled batches with unfinished jobs", 0),
+    ]
+    assert confirmation.effects[2] == (
+        "The consistency scan checks every job against its item and batch."
     )
-    assert confirmation.effects[2] == "A consistency scan checks all 4 jobs."
     assert confirmation.button == "Run reconciliation"
     assert not Event.objects.exists()  # nothing ran yet
     assert Lease.objects.filter(ended_at__isnull=True).count() == 2
@@ -150,4 +158,19 @@ def test_a_run_while_a_sweep_is_reconciling_says_so(staff, worker, other_worker)
     assert LogEntry.objects.get(user=user).change_message == (
         "Ran reconciliation: reclaimed 1 expired leases (queued) and 0 (failed); "
         "skipped: another sweep is reconciling."
+    )
+
+
+def test_a_big_database_is_scanned_a_slice_at_a_time(staff, settings):
+    settings.RECALL_RECONCILE_SCAN_PER_SWEEP = 3
+    batch = make_batch(5)
+    _, client = staff("oncall", "jobs.view_job", "jobs.run_reconcile")
+
+    page = act(client, "run_reconcile", [jobs_of(batch)[0].pk], confirm=False)
+
+    confirmation = page.context["confirmation"]
+    assert ("Jobs the consistency scan checks (about)", 3) in confirmation.counts
+    assert confirmation.effects[2].startswith(
+        "The consistency scan checks the next 3 jobs against their items and "
+        "batches; the scheduled sweep checks the rest"
     )

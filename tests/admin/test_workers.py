@@ -102,7 +102,12 @@ def test_disable_then_re_enable_take_effect_at_once_and_are_audited(staff, worke
     page = act(client, "disable_workers", [worker.pk], confirm=False, url=WORKERS)
 
     confirmation = page.context["confirmation"]
-    assert confirmation.summary == "1 worker will be disabled."
+    assert confirmation.summary == "Disable the selected workers."
+    assert confirmation.counts == [
+        ("Workers selected", 1),
+        ("Disabled", 1),
+        ("Skipped: already disabled", 0),
+    ]
     assert confirmation.sample == [
         f'<a href="/admin/jobs/worker/{worker.pk}/change/">gpu-1 (holds 1 live '
         f"lease)</a>"
@@ -141,9 +146,11 @@ def test_disabling_a_disabled_worker_changes_nothing(staff, worker, other_worker
     page = act(client, "disable_workers", ids, confirm=False, url=WORKERS)
     response = act(client, "disable_workers", ids, confirm=True, url=WORKERS)
 
-    assert page.context["confirmation"].skipped == (
-        "1 worker of the selection will be skipped: already disabled."
-    )
+    assert page.context["confirmation"].counts == [
+        ("Workers selected", 2),
+        ("Disabled", 1),
+        ("Skipped: already disabled", 1),
+    ]
     assert messages_of(response) == ["Disabled 1 worker."]
     assert [e.object_id for e in LogEntry.objects.filter(user=user)] == [
         str(other_worker.pk)
@@ -157,7 +164,7 @@ def test_rotating_a_token_shows_the_new_one_once_and_the_old_one_stops(
     user, client = staff("ops", "jobs.view_worker", "jobs.rotate_worker_token")
 
     page = act(client, "rotate_tokens", [worker.pk], confirm=False, url=WORKERS)
-    assert page.context["confirmation"].summary == "New tokens for 1 worker."
+    assert page.context["confirmation"].counts == [("Workers selected: new tokens", 1)]
     assert Worker.objects.authenticate(old) == worker  # nothing rotated yet
 
     response = act(client, "rotate_tokens", [worker.pk], confirm=True, url=WORKERS)
