@@ -841,7 +841,7 @@ class WorkerAdmin(admin.ModelAdmin):
                     ],
                     sample=[_describe_worker(w) for w in workers[:SAMPLE_SIZE]],
                     changing=len(workers),
-                    button=f"Rotate {len(workers)} tokens",
+                    button=f"Rotate the tokens of {_workers(len(workers))}",
                 ),
             )
         tokens = []
@@ -908,6 +908,13 @@ class WorkerAdmin(admin.ModelAdmin):
             f"{'Re-enabled' if active else 'Disabled'} {_workers(done)}.",
             messages.SUCCESS,
         )
+        if skipped:
+            self.message_user(
+                request,
+                f"Skipped {_workers(skipped)}: already "
+                f"{'active' if active else 'disabled'}.",
+                messages.WARNING,
+            )
         return None
 
     def _token_page(self, request: HttpRequest, *, title: str, tokens) -> HttpResponse:

@@ -151,7 +151,10 @@ def test_disabling_a_disabled_worker_changes_nothing(staff, worker, other_worker
         ("Disabled", 1),
         ("Skipped: already disabled", 1),
     ]
-    assert messages_of(response) == ["Disabled 1 worker."]
+    assert messages_of(response) == [
+        "Disabled 1 worker.",
+        "Skipped 1 worker: already disabled.",
+    ]
     assert [e.object_id for e in LogEntry.objects.filter(user=user)] == [
         str(other_worker.pk)
     ]
