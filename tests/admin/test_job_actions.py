@@ -360,3 +360,50 @@ def test_an_action_whose_write_fails_changes_nothing(
     assert snapshot(*jobs) == before
     assert Event.objects.count() == events
     assert not LogEntry.objects.exists()
+
+
+def test_a_long_run_stops_at_the_time_limit_and_the_next_run_goes_on(
+    staff, settings, monkeypatch
+):
+    settings.RECALL_CHUNK_SIZE = 2
+    monkeypatch.setattr("jobs.admin.ACTION_SECONDS", 0)  # stop after one chunk
+    batch = make_batch(5)
+    user, client = staff("oncall", "jobs.view_job", "jobs.cancel_job")
+    url = f"{JOBS}?batch__id__exact={batch.pk}"
+    ids = [j.pk for j in jobs_of(batch)]
+
+    first = act(
+        client, "cancel_queued", ids[:1], confirm=True, url=url, select_across=True
+    )
+
+    assert messages_of(first) == [
+        "Cancelled 2 jobs.",
+        "Stopped after 0 seconds to keep this request short; still queued: 3 jobs "
+        "of the selection. Run the action again to go on.",
+    ]
+    assert [j.status for j in jobs_of(batch)] == ["cancelled"] * 2 + ["queued"] * 3
+    assert_consistent(timezone.now())
+    client.get(first["Location"])
+
+    second = act(
+        client, "cancel_queued", ids[:1], confirm=True, url=url, select_across=True
+    )
+
+    assert messages_of(second) == [
+        "Cancelled 2 jobs.",
+        "Stopped after 0 seconds to keep this request short; still queued: 1 job "
+        "of the selection. Run the action again to go on.",
+        "Skipped 2 jobs of the selection: not queued.",
+    ]
+    client.get(second["Location"])
+    third = act(
+        client, "cancel_queued", ids[:1], confirm=True, url=url, select_across=True
+    )
+
+    assert messages_of(third) == [
+        "Cancelled 1 job.",
+        "Skipped 4 jobs of the selection: not queued.",
+    ]
+    assert {j.status for j in jobs_of(batch)} == {"cancelled"}
+    assert LogEntry.objects.filter(user=user).count() == 5
+    assert_consistent(timezone.now())
