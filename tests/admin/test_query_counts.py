@@ -123,6 +123,7 @@ def test_a_big_unfiltered_list_shows_an_estimate_instead_of_counting(big, monkey
     assert page.context["cl"].paginator.estimated is True
     assert page.context["cl"].result_count == JOB_COUNT
     assert f"about {JOB_COUNT} jobs".encode() in page.content
+    assert f"about {JOB_COUNT} results".encode() in page.content
     # A filtered list is counted exactly.
     assert filtered.context["cl"].paginator.estimated is False
     assert filtered.context["cl"].result_count == 20
