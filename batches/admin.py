@@ -14,6 +14,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db.models import IntegerField, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce
+from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.text import Truncator
 
@@ -59,10 +60,10 @@ class StateFilter(admin.SimpleListFilter):
     title = "state"
     parameter_name = "state"
 
-    def lookups(self, request, model_admin):
+    def lookups(self, request, model_admin) -> list[tuple[str, str]]:
         return [(s, s) for s in ("running", "paused", "finished", "cancelled")]
 
-    def queryset(self, request, queryset):
+    def queryset(self, request, queryset: QuerySet) -> QuerySet | None:
         filters = {
             "running": {
                 "cancelled_at__isnull": True,
@@ -136,7 +137,9 @@ class BatchAdmin(admin.ModelAdmin):
             .annotate(**{f"n_{s}": _counter_sum(s) for s in PROGRESS})
         )
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
         by_id = id_search(queryset, search_term)
         if by_id is not None:
             return by_id, False
@@ -227,7 +230,9 @@ class BatchItemAdmin(BigTableAdmin):
     def get_queryset(self, request) -> QuerySet:
         return super().get_queryset(request).select_related("batch", "job")
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
         term = search_term.strip()
         if not term:
             return queryset, False

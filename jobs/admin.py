@@ -88,7 +88,7 @@ class AttemptsFilter(admin.SimpleListFilter):
     title = "attempts"
     parameter_name = "attempts"
 
-    def lookups(self, request, model_admin):
+    def lookups(self, request, model_admin) -> list[tuple[str, str]]:
         top = settings.RECALL_MAX_ATTEMPTS
         return [
             *((str(n), str(n)) for n in range(top)),
@@ -96,7 +96,7 @@ class AttemptsFilter(admin.SimpleListFilter):
             ("exhausted", "all used"),
         ]
 
-    def queryset(self, request, queryset):
+    def queryset(self, request, queryset: QuerySet) -> QuerySet | None:
         value = self.value()
         if value is None:
             return None
@@ -121,10 +121,10 @@ class OpenLeaseFilter(admin.SimpleListFilter):
     title = "lease"
     parameter_name = "open"
 
-    def lookups(self, request, model_admin):
+    def lookups(self, request, model_admin) -> list[tuple[str, str]]:
         return [("yes", "live (not ended)"), ("no", "ended")]
 
-    def queryset(self, request, queryset):
+    def queryset(self, request, queryset: QuerySet) -> QuerySet | None:
         if self.value() == "yes":
             return queryset.filter(ended_at__isnull=True)
         if self.value() == "no":
@@ -153,7 +153,7 @@ class LeaseInline(ReadOnlyInline):
     ordering = ("attempt", "pk")
     show_change_link = True
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
         return super().get_queryset(request).select_related("worker")
 
 
@@ -165,7 +165,7 @@ class EventInline(ReadOnlyInline):
     readonly_fields = fields
     ordering = ("pk",)
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
         return super().get_queryset(request).select_related("actor")
 
 
@@ -331,13 +331,15 @@ class JobAdmin(BigTableAdmin):
         name for _, options in fieldsets for name in options["fields"]
     )
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
         # The change page shows the item, batch and worker: fetch them with it.
         return (
             super().get_queryset(request).select_related("item", "batch", "leased_by")
         )
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
         """A number finds a job by id, a lease token its job (both on unique
         indexes); anything else is looked for in the items' sources. That is a
         scan of the items, so it is case-sensitive (LIKE, three times faster than
@@ -417,24 +419,32 @@ class JobAdmin(BigTableAdmin):
     @admin.action(
         description="Force reclaim selected leased jobs", permissions=["force_reclaim"]
     )
-    def force_reclaim(self, request: HttpRequest, queryset: QuerySet):
+    def force_reclaim(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
         return self._bulk(request, queryset, FORCE_RECLAIM)
 
     @admin.action(
         description="Requeue selected failed jobs", permissions=["requeue_job"]
     )
-    def requeue_failed(self, request: HttpRequest, queryset: QuerySet):
+    def requeue_failed(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
         return self._bulk(request, queryset, REQUEUE_FAILED)
 
     @admin.action(description="Cancel selected queued jobs", permissions=["cancel_job"])
-    def cancel_queued(self, request: HttpRequest, queryset: QuerySet):
+    def cancel_queued(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
         return self._bulk(request, queryset, CANCEL_QUEUED)
 
     @admin.action(
         description="Run reconciliation now (whole database)",
         permissions=["run_reconcile"],
     )
-    def run_reconcile(self, request: HttpRequest, queryset: QuerySet):
+    def run_reconcile(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
         if not is_confirmed(request):
             return render_confirmation(self, request, self._reconcile_preview())
         before = Event.objects.aggregate(top=Max("pk"))["top"] or 0
@@ -463,7 +473,9 @@ class JobAdmin(BigTableAdmin):
             request, "admin/jobs/job/reconcile_result.html", context
         )
 
-    def _bulk(self, request: HttpRequest, queryset: QuerySet, action: BulkAction):
+    def _bulk(
+        self, request: HttpRequest, queryset: QuerySet, action: BulkAction
+    ) -> HttpResponse | None:
         """Confirm, then run ``action`` over the selection's eligible jobs, one
         chunk of ids at a time, and report what changed, what was skipped, and
         what is left if the time limit stopped it."""
@@ -690,10 +702,12 @@ class LeaseAdmin(BigTableAdmin):
     )
     readonly_fields = fields
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
         return super().get_queryset(request).select_related("worker")
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
         term = search_term.strip()
         if not term:
             return queryset, False
@@ -756,7 +770,7 @@ class WorkerAdmin(admin.ModelAdmin):
         "ledger_column",
     )
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
         live = (
             Job.objects.filter(leased_by=OuterRef("pk"))
             .order_by()
@@ -766,13 +780,13 @@ class WorkerAdmin(admin.ModelAdmin):
         )
         return super().get_queryset(request).annotate(live=Coalesce(Subquery(live), 0))
 
-    def get_fields(self, request, obj=None):
+    def get_fields(self, request: HttpRequest, obj=None) -> tuple[str, ...]:
         return ("name",) if obj is None else self.change_fields
 
-    def get_readonly_fields(self, request, obj=None):
+    def get_readonly_fields(self, request: HttpRequest, obj=None) -> tuple[str, ...]:
         return () if obj is None else self.change_fields[1:]
 
-    def get_actions(self, request):
+    def get_actions(self, request: HttpRequest) -> dict:
         actions = super().get_actions(request)
         # Bulk delete would list every protected ledger row of every worker.
         actions.pop("delete_selected", None)
@@ -800,7 +814,9 @@ class WorkerAdmin(admin.ModelAdmin):
             obj._new_token = obj.set_new_token()
         super().save_model(request, obj, form, change)
 
-    def response_add(self, request, obj: Worker, post_url_continue=None):
+    def response_add(
+        self, request: HttpRequest, obj: Worker, post_url_continue=None
+    ) -> HttpResponse:
         return self._token_page(
             request,
             title=f"Worker “{obj.name}” created",
@@ -829,20 +845,26 @@ class WorkerAdmin(admin.ModelAdmin):
     @admin.action(
         description="Disable selected workers", permissions=["disable_worker"]
     )
-    def disable_workers(self, request: HttpRequest, queryset: QuerySet):
+    def disable_workers(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
         return self._set_active(request, queryset, active=False)
 
     @admin.action(
         description="Re-enable selected workers", permissions=["disable_worker"]
     )
-    def enable_workers(self, request: HttpRequest, queryset: QuerySet):
+    def enable_workers(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
         return self._set_active(request, queryset, active=True)
 
     @admin.action(
         description="Rotate the tokens of selected workers",
         permissions=["rotate_worker_token"],
     )
-    def rotate_tokens(self, request: HttpRequest, queryset: QuerySet):
+    def rotate_tokens(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
         workers = list(queryset.order_by("name"))
         if not is_confirmed(request):
             return render_confirmation(
@@ -876,7 +898,9 @@ class WorkerAdmin(admin.ModelAdmin):
             tokens.append((worker, token))
         return self._token_page(request, title="Tokens rotated", tokens=tokens)
 
-    def _set_active(self, request: HttpRequest, queryset: QuerySet, *, active: bool):
+    def _set_active(
+        self, request: HttpRequest, queryset: QuerySet, *, active: bool
+    ) -> HttpResponse | None:
         verb = "Re-enable" if active else "Disable"
         changing = list(queryset.filter(is_active=not active).order_by("name"))
         skipped = queryset.count() - len(changing)
@@ -990,10 +1014,12 @@ class EventAdmin(BigTableAdmin):
     fields = ("created_at", "kind", "job_column", "batch_column", "actor", "message")
     readonly_fields = fields
 
-    def get_queryset(self, request):
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
         return super().get_queryset(request).select_related("actor")
 
-    def get_search_results(self, request, queryset, search_term):
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
         term = search_term.strip()
         if not term:
             return queryset, False

@@ -142,7 +142,7 @@ class BatchFilter(admin.SimpleListFilter):
     parameter_name = "batch__id__exact"
     field = "batch_id"
 
-    def lookups(self, request, model_admin):
+    def lookups(self, request, model_admin) -> list[tuple[str, str]]:
         batches = list(
             Batch.objects.order_by("-pk").values_list("pk", "name")[:RECENT_BATCHES]
         )
@@ -153,7 +153,7 @@ class BatchFilter(admin.SimpleListFilter):
             )
         return [(str(pk), f"#{pk} {name}") for pk, name in batches]
 
-    def queryset(self, request, queryset):
+    def queryset(self, request, queryset: QuerySet) -> QuerySet | None:
         if self.value() is None:
             return None
         number = as_id(self.value())

@@ -67,7 +67,9 @@ def test_the_confirmation_says_what_a_run_will_do(
 
 def test_a_run_heals_everything_shows_it_and_audits_it(staff, worker, other_worker):
     batch, expired, stray, drifted = _drift(worker, other_worker)
-    user, client = staff("oncall", "jobs.view_job", "jobs.run_reconcile")
+    user, client = staff(
+        "oncall", "jobs.view_job", "jobs.view_event", "jobs.run_reconcile"
+    )
 
     response = act(client, "run_reconcile", [expired.pk], confirm=True)
 
@@ -93,6 +95,9 @@ def test_a_run_heals_everything_shows_it_and_audits_it(staff, worker, other_work
     assert response.context["repair_count"] == 3
     assert [e.pk for e in response.context["repairs"]] == [e.pk for e in repairs]
     assert b"Nothing needed repair." not in response.content
+    # The link to all of them in the event log lists exactly these.
+    listed = client.get(response.context["repairs_url"]).context["cl"].result_list
+    assert sorted(e.pk for e in listed) == [e.pk for e in repairs]
 
     # The rows themselves.
     assert Job.objects.get(pk=expired.pk).status == JobStatus.QUEUED
