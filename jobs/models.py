@@ -14,7 +14,8 @@ serialises writers) or by compare-and-set UPDATEs, never from a stale in-memory
 copy. Time is a single ``now`` passed in (tests) or read once per call.
 
 Row-level transitions are methods on ``Job``; table-level ones (claim, reclaim,
-batch cancel and retry) live on ``JobQuerySet``. Reconciliation (``reconcile.py``)
+batch cancel, retry, and the admin's bulk cancel and force reclaim) live on
+``JobQuerySet``. Reconciliation (``reconcile.py``)
 decides what to heal and calls the repair methods at the bottom of ``Job``.
 """
 
@@ -25,7 +26,7 @@ import hmac
 import logging
 import secrets
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -107,6 +108,12 @@ def lease_duration() -> timedelta:
     return timedelta(seconds=settings.RECALL_LEASE_SECONDS)
 
 
+# A caller's own record of a bulk transition (e.g. the admin's LogEntry rows): the
+# table-level transitions call it inside each transaction with the jobs that moved,
+# so the record commits or rolls back together with the change.
+Audit = Callable[[Sequence["Job"]], None]
+
+
 def heartbeat_interval() -> int:
     """Seconds between heartbeats we ask of workers: three chances per lease."""
     return max(1, settings.RECALL_LEASE_SECONDS // 3)
@@ -159,6 +166,12 @@ class Worker(models.Model):
 
     objects = WorkerQuerySet.as_manager()
 
+    class Meta:
+        permissions = [
+            ("disable_worker", "Can disable and re-enable a worker"),
+            ("rotate_worker_token", "Can rotate a worker's token"),
+        ]
+
     def __str__(self) -> str:
         return self.name
 
@@ -173,6 +186,18 @@ class Worker(models.Model):
         token = self.set_new_token()
         self.save(update_fields=["token_prefix", "token_hash"])
         return token
+
+    def set_active(self, active: bool) -> bool:
+        """Disable or re-enable the worker; False if it already was so.
+
+        A disabled worker's requests get 403 at once. Its live lease is left to
+        run out (it can no longer heartbeat), then reclaimed like any other.
+        """
+        changed = Worker.objects.filter(pk=self.pk, is_active=not active).update(
+            is_active=active
+        )
+        self.is_active = active
+        return bool(changed)
 
     def touch(self, now: datetime) -> None:
         if self.last_seen is None or now - self.last_seen >= self.LAST_SEEN_RESOLUTION:
@@ -387,7 +412,9 @@ class JobQuerySet(models.QuerySet):
             )
         return len(jobs)
 
-    def retry_failed(self, *, now: datetime | None = None, actor=None) -> int:
+    def retry_failed(
+        self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
+    ) -> int:
         """Queue the failed jobs of this queryset again, with fresh attempts.
 
         Works in bounded transactions; each reopens the batches it touches so
@@ -423,8 +450,73 @@ class JobQuerySet(models.QuerySet):
                     )
                     for job in jobs
                 )
+                if audit is not None:
+                    audit(jobs)
             total += len(jobs)
             after = jobs[-1].pk
+        return total
+
+    def cancel_queued(
+        self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
+    ) -> int:
+        """Cancel the queued jobs of this queryset, in bounded transactions.
+
+        Each chunk locks its jobs with SKIP LOCKED: a job a claim holds right now
+        is being leased, so it is no longer queued and is left alone. Jobs in any
+        other status are left alone too. Returns how many jobs were cancelled.
+        """
+        now = now or timezone.now()
+        total, after = 0, 0
+        while True:
+            with transaction.atomic():
+                jobs = list(
+                    self.filter(status=JobStatus.QUEUED, pk__gt=after)
+                    .locked(skip_locked=True)
+                    .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
+                )
+                if not jobs:
+                    break
+                Job._move(jobs, to=JobStatus.CANCELLED, now=now)
+                Event.objects.bulk_create(
+                    Event(
+                        kind=Event.Kind.CANCELLED,
+                        job=job,
+                        batch_id=job.batch_id,
+                        actor=actor,
+                        message="Job cancelled.",
+                    )
+                    for job in jobs
+                )
+                if audit is not None:
+                    audit(jobs)
+            total += len(jobs)
+            after = jobs[-1].pk
+        return total
+
+    def force_reclaim(
+        self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
+    ) -> int:
+        """End the live leases of this queryset's leased jobs, each job in a
+        transaction of its own (``Job.force_reclaim``), so a large selection
+        never holds many locks at once. Jobs that are not leased (any more) are
+        skipped. Returns how many leases were ended.
+        """
+        now = now or timezone.now()
+        total, after = 0, 0
+        leased = self.filter(status=JobStatus.LEASED).order_by("pk")
+        while ids := list(
+            leased.filter(pk__gt=after).values_list("pk", flat=True)[
+                : settings.RECALL_CHUNK_SIZE
+            ]
+        ):
+            for pk in ids:
+                job = Job(pk=pk)
+                with transaction.atomic():
+                    reclaimed = job.force_reclaim(actor=actor, now=now)
+                    if reclaimed and audit is not None:
+                        audit([job])
+                total += reclaimed
+            after = ids[-1]
         return total
 
 

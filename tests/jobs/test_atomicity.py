@@ -181,3 +181,27 @@ def test_retry_failed_chunk(write, worker):
         Job.objects.filter(batch=batch).retry_failed(now=later(1))
 
     assert snapshot(*jobs) == before
+
+
+@pytest.mark.parametrize("write", [JOB, ITEM, COUNTERS, EVENT])
+def test_cancel_queued_chunk(write, worker):
+    batch = make_batch(3)
+    claim(worker)
+    jobs = jobs_of(batch)
+    before = snapshot(*jobs)
+
+    with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
+        Job.objects.filter(batch=batch).cancel_queued(now=later(1))
+
+    assert snapshot(*jobs) == before
+
+
+@pytest.mark.parametrize("write", [JOB, ITEM, COUNTERS, LEDGER_CLOSE, EVENT])
+def test_bulk_force_reclaim_of_one_job(write, worker):
+    job = _leased(worker)
+    before = snapshot(job)
+
+    with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
+        Job.objects.filter(pk=job.pk).force_reclaim(now=later(1))
+
+    assert snapshot(job) == before

@@ -144,3 +144,54 @@ def test_retry_leaves_failed_jobs_of_a_cancelled_batch_alone(worker, db):
 
     assert Job.objects.filter(batch=batch).retry_failed(now=later(1)) == 0
     assert Job.objects.get(pk=job.pk).status == JobStatus.FAILED
+
+
+def test_bulk_force_reclaim_ends_each_live_lease_and_skips_the_rest(
+    worker, other_worker, django_user_model
+):
+    admin = django_user_model.objects.create(username="ops")
+    batch = make_batch(4)
+    first, second = claim(worker), claim(other_worker)
+    done = claim(worker)
+    done.complete(done.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    tokens = {first.pk: first.lease_token, second.pk: second.lease_token}
+    audited = []
+
+    reclaimed = Job.objects.filter(batch=batch).force_reclaim(
+        actor=admin, now=later(5), audit=lambda jobs: audited.extend(jobs)
+    )
+
+    assert reclaimed == 2
+    assert [(j.pk, j.status) for j in audited] == [
+        (first.pk, JobStatus.QUEUED),
+        (second.pk, JobStatus.QUEUED),
+    ]
+    for pk, token in tokens.items():
+        job = Job.objects.select_related("item").get(pk=pk)
+        assert (job.status, job.attempts, job.item.status) == (
+            JobStatus.QUEUED,
+            0,
+            ItemStatus.QUEUED,
+        )
+        lease = Lease.objects.get(token=token)
+        assert (lease.end_reason, lease.ended_at) == (LeaseEnd.FORCED, later(5))
+    assert Job.objects.get(pk=done.pk).status == JobStatus.COMPLETED
+    events = Event.objects.filter(kind=Event.Kind.FORCE_RECLAIMED).order_by("job_id")
+    assert [(e.job_id, e.actor) for e in events] == [
+        (first.pk, admin),
+        (second.pk, admin),
+    ]
+    assert batch.counts()["queued"] == 3
+    assert batch.counts()["transcribing"] == 0
+    assert_consistent(later(5))
+
+
+def test_bulk_force_reclaim_pages_through_large_selections(worker, settings):
+    settings.RECALL_CHUNK_SIZE = 2
+    make_batch(5)
+    for _ in range(5):
+        claim(worker)
+
+    assert Job.objects.all().force_reclaim(now=later(1)) == 5
+    assert not Job.objects.filter(status=JobStatus.LEASED).exists()
+    assert_consistent(later(1))

@@ -1,0 +1,34 @@
+"""Worker management: disabling and re-enabling (the admin's actions)."""
+
+import pytest
+
+from jobs.models import Job, Worker
+
+from ..factories import claim, later, make_batch
+
+pytestmark = pytest.mark.django_db
+
+
+def _error_code(response) -> tuple[int, str]:
+    return response.status_code, response.json()["error"]
+
+
+def test_disable_refuses_the_worker_at_once_and_enable_lets_it_back(api, worker):
+    assert worker.set_active(False) is True
+    assert worker.set_active(False) is False  # already disabled: nothing to do
+
+    assert Worker.objects.get(pk=worker.pk).is_active is False
+    assert _error_code(api.claim()) == (403, "forbidden")
+
+    assert worker.set_active(True) is True
+    assert worker.set_active(True) is False
+    assert api.claim().status_code == 204
+
+
+def test_a_disabled_workers_lease_runs_out_and_is_reclaimed(api, worker):
+    make_batch(1)
+    job = claim(worker)
+    worker.set_active(False)
+
+    assert _error_code(api.heartbeat(job.pk, job.lease_token)) == (403, "forbidden")
+    assert Job.objects.reclaim_expired(now=later(61)) == {"requeued": 1, "failed": 0}
