@@ -422,39 +422,19 @@ class JobQuerySet(models.QuerySet):
         how many jobs were queued.
         """
         now = now or timezone.now()
-        total, after = 0, 0
-        while True:
-            with transaction.atomic():
-                jobs = list(
-                    self.filter(
-                        status=JobStatus.FAILED,
-                        pk__gt=after,
-                        batch__cancelled_at__isnull=True,
-                    )
-                    .locked(skip_locked=True)
-                    .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
-                )
-                if not jobs:
-                    break
-                Batch.objects.filter(pk__in={j.batch_id for j in jobs}).update(
-                    finished_at=None
-                )
-                Job._move(jobs, to=JobStatus.QUEUED, now=now, attempts=0)
-                Event.objects.bulk_create(
-                    Event(
-                        kind=Event.Kind.RETRIED,
-                        job=job,
-                        batch_id=job.batch_id,
-                        actor=actor,
-                        message="Queued again with fresh attempts.",
-                    )
-                    for job in jobs
-                )
-                if audit is not None:
-                    audit(jobs)
-            total += len(jobs)
-            after = jobs[-1].pk
-        return total
+
+        def retry(jobs: list[Job]) -> None:
+            Batch.objects.filter(pk__in={j.batch_id for j in jobs}).update(
+                finished_at=None
+            )
+            Job._move(jobs, to=JobStatus.QUEUED, now=now, attempts=0)
+            Event.record_each(
+                jobs, Event.Kind.RETRIED, "Queued again with fresh attempts.", actor
+            )
+
+        return self.filter(batch__cancelled_at__isnull=True)._in_chunks(
+            JobStatus.FAILED, retry, audit
+        )
 
     def cancel_queued(
         self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
@@ -466,32 +446,34 @@ class JobQuerySet(models.QuerySet):
         other status are left alone too. Returns how many jobs were cancelled.
         """
         now = now or timezone.now()
+
+        def cancel(jobs: list[Job]) -> None:
+            Job._move(jobs, to=JobStatus.CANCELLED, now=now)
+            Event.record_each(jobs, Event.Kind.CANCELLED, "Job cancelled.", actor)
+
+        return self._in_chunks(JobStatus.QUEUED, cancel, audit)
+
+    def _in_chunks(
+        self, status: str, change: Callable[[list[Job]], None], audit: Audit | None
+    ) -> int:
+        """Apply ``change`` to this queryset's jobs in ``status``, one locked chunk
+        per transaction (keyset on id, SKIP LOCKED: rows a transition holds now
+        are skipped); ``audit`` runs in the same transaction. Returns how many."""
         total, after = 0, 0
         while True:
             with transaction.atomic():
                 jobs = list(
-                    self.filter(status=JobStatus.QUEUED, pk__gt=after)
+                    self.filter(status=status, pk__gt=after)
                     .locked(skip_locked=True)
                     .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
                 )
                 if not jobs:
-                    break
-                Job._move(jobs, to=JobStatus.CANCELLED, now=now)
-                Event.objects.bulk_create(
-                    Event(
-                        kind=Event.Kind.CANCELLED,
-                        job=job,
-                        batch_id=job.batch_id,
-                        actor=actor,
-                        message="Job cancelled.",
-                    )
-                    for job in jobs
-                )
+                    return total
+                change(jobs)
                 if audit is not None:
                     audit(jobs)
             total += len(jobs)
             after = jobs[-1].pk
-        return total
 
     def force_reclaim(
         self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
@@ -1134,6 +1116,14 @@ class Event(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
+
+    @classmethod
+    def record_each(cls, jobs: Sequence[Job], kind: str, message: str, actor) -> None:
+        """One event per job (an operator's or admin's action on each)."""
+        cls.objects.bulk_create(
+            cls(kind=kind, job=job, batch_id=job.batch_id, actor=actor, message=message)
+            for job in jobs
+        )
 
     @classmethod
     def repair(
