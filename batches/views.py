@@ -41,13 +41,16 @@ from jobs.models import Event, Job, JobStatus
 from . import exports
 from .forms import ItemFilterForm, NewBatchForm
 from .intake import ManifestInvalid, create_batch
-from .models import Batch, BatchCounter, BatchItem, BatchMinute
+from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from .progress import BatchState, format_duration, progress_for, progress_for_many
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
 # Status code that tells the refreshing script (and htmx) to stop polling.
 STOP_POLLING = 286
+# A request starts no new chunk of a bulk action after this long (gunicorn's
+# timeout is 60 s); reconciliation finishes a cancel that was cut short.
+ACTION_SECONDS = 20
 
 
 def viewer_required(view):
@@ -493,11 +496,16 @@ def batch_cancel(request: HttpRequest, batch: Batch) -> None:
     if batch.cancelled_at:
         messages.info(request, "The batch was already cancelled.")
         return
-    cancelled = Job.objects.cancel_batch(batch, actor=request.user)
+    cancelled = Job.objects.cancel_batch(
+        batch, actor=request.user, time_limit=ACTION_SECONDS
+    )
+    left = batch.counts()
+    left = left[ItemStatus.QUEUED] + left[ItemStatus.TRANSCRIBING]
     messages.success(
         request,
         f"Cancelled: {cancelled} queued or in-flight item(s) cancelled. "
-        f"Finished items keep their results.",
+        f"Finished items keep their results."
+        + (f" The other {left} are being cancelled in the background." if left else ""),
     )
 
 

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
@@ -355,17 +356,24 @@ class JobQuerySet(models.QuerySet):
         return report
 
     def cancel_batch(
-        self, batch: Batch, *, now: datetime | None = None, actor=None
+        self,
+        batch: Batch,
+        *,
+        now: datetime | None = None,
+        actor=None,
+        time_limit: float | None = None,
     ) -> int:
         """Cancel a batch: its queued and in-flight jobs become cancelled.
 
         The batch is marked cancelled first (claims skip it from then on), then
         its jobs are cancelled in bounded transactions. In-flight leases end at
         once (ledger reason ``forced``); their workers get 409 on the next call.
-        If the process dies part-way, reconciliation finishes the cancel.
-        Returns how many jobs this call cancelled.
+        After ``time_limit`` seconds no new chunk is started (a web request must
+        answer in time); reconciliation finishes the rest, as it does when the
+        process dies part-way. Returns how many jobs this call cancelled.
         """
         now = now or timezone.now()
+        deadline = None if time_limit is None else time.monotonic() + time_limit
         with transaction.atomic():
             marked = Batch.objects.filter(
                 pk=batch.pk, cancelled_at__isnull=True
@@ -378,11 +386,12 @@ class JobQuerySet(models.QuerySet):
                     message="Batch cancelled.",
                 )
         total = 0
-        while n := self.cancel_batch_chunk(batch.pk, now=now):
-            total += n
-        # Rows another transaction held a moment ago: wait for them this once.
-        while n := self.cancel_batch_chunk(batch.pk, now=now, wait=True):
-            total += n
+        for wait in (False, True):  # then rows another transaction held a moment ago
+            while deadline is None or time.monotonic() < deadline:
+                n = self.cancel_batch_chunk(batch.pk, now=now, wait=wait)
+                total += n
+                if not n:
+                    break
         # Mark it finished now, so claims stop checking it for an unfinished cancel.
         Batch.objects.filter(pk=batch.pk).settle(now=now)
         return total

@@ -12,7 +12,8 @@ from django.utils import timezone
 from batches.models import Batch, BatchItem
 from jobs.models import Event, Job, Lease, LeaseEnd
 
-from ..factories import assert_consistent, claim, make_batch
+from ..factories import assert_consistent, claim, make_batch, make_worker
+from .conftest import client_for
 
 pytestmark = pytest.mark.django_db
 
@@ -375,3 +376,25 @@ def test_an_oversized_paste_gets_a_clear_answer_even_with_csrf_checks(
     assert response.status_code == 413
     assert "upload it as a file instead" in response.content.decode()
     assert not Batch.objects.exists()
+
+
+def test_a_cancel_cut_short_by_its_time_limit_is_finished_by_reconciliation(
+    operator, monkeypatch, settings
+):
+    from jobs.reconcile import reconcile
+
+    settings.RECALL_CHUNK_SIZE = 5
+    monkeypatch.setattr("batches.views.ACTION_SECONDS", 0)  # no time for any chunk
+    batch = make_batch(12)
+    client = client_for(operator)
+
+    response = client.post(f"/batches/{batch.pk}/cancel", follow=True)
+
+    assert _messages(response) == [
+        "Cancelled: 0 queued or in-flight item(s) cancelled. Finished items keep their "
+        "results. The other 12 are being cancelled in the background."
+    ]
+    assert Job.objects.claim_next(make_worker("late"), now=timezone.now()) is None
+    assert reconcile(now=timezone.now()).cancels_finished == 12
+    assert batch.counts()["cancelled"] == 12
+    assert_consistent(timezone.now())
