@@ -173,3 +173,33 @@ def test_pages_work_without_javascript(browser, live_server, tmp_path):
     expect(page.get_by_role("heading", name="Batches")).to_be_visible()
     expect(page.locator("[data-refresh-control]")).to_be_hidden()
     context.close()
+
+
+def test_no_polling_while_the_tab_is_hidden(logged_in: Page, live_server, tmp_path):
+    page = logged_in
+    _create_batch(page, live_server, tmp_path)
+    requests: list[str] = []
+    page.on("request", lambda r: requests.append(r.url) if "/live" in r.url else None)
+    with page.expect_request(lambda r: "/live" in r.url, timeout=10_000):
+        pass
+
+    page.evaluate(
+        """() => {
+            Object.defineProperty(document, "visibilityState", {configurable: true, get: () => "hidden"});
+            document.dispatchEvent(new Event("visibilitychange"));
+        }"""
+    )
+    expect(page.locator("[data-refresh-status]")).to_have_text("paused while hidden")
+    page.wait_for_timeout(300)  # a fetch already in flight may still land
+    before = len(requests)
+    page.wait_for_timeout(5_000)
+    assert len(requests) == before
+
+    # Visible again: it refreshes at once.
+    with page.expect_request(lambda r: "/live" in r.url, timeout=3_000):
+        page.evaluate(
+            """() => {
+                Object.defineProperty(document, "visibilityState", {configurable: true, get: () => "visible"});
+                document.dispatchEvent(new Event("visibilitychange"));
+            }"""
+        )
