@@ -17,6 +17,12 @@ Row-level transitions are methods on ``Job``; table-level ones (claim, reclaim,
 batch cancel, retry, and the admin's bulk cancel and force reclaim) live on
 ``JobQuerySet``. Reconciliation (``reconcile.py``)
 decides what to heal and calls the repair methods at the bottom of ``Job``.
+
+On PostgreSQL the clean case of the two hot transitions, a claim's lease and a
+completion, is written by two hand-written statements each (``pgsql.py``) instead
+of the ORM's seven or eight: the same rows, the same transaction, far less CPU.
+Whatever is not the clean case (drifted rows, a replayed completion, a lost
+lease) falls through to the ORM code below, which is the reference.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, models, transaction
+from django.db import IntegrityError, connection, models, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
@@ -123,6 +129,10 @@ def heartbeat_interval() -> int:
 # --- Workers ------------------------------------------------------------------
 
 TOKEN_PREFIX_LENGTH = 8
+
+
+def new_lease_token() -> str:
+    return secrets.token_urlsafe(24)
 
 
 def hash_token(token: str) -> str:
@@ -245,22 +255,39 @@ class JobQuerySet(models.QuerySet):
         takes, by batch priority and age, the oldest claimable job of the first
         open batch that has one, skipping rows other claims hold (SKIP LOCKED).
         """
-        from .reconcile import reconcile_on_claim
+        from .reconcile import CANCEL_GRACE, reconcile_on_claim
 
         now = now or timezone.now()
-        Job.objects.reclaim_expired(now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM)
-        reconcile_on_claim(now=now)
-        candidates = (
-            Batch.objects.open()
-            .filter(Exists(Job.objects.claimable(now).filter(batch=OuterRef("pk"))))
-            .order_by("-priority", "pk")
-            .values_list("pk", flat=True)[:CLAIM_BATCH_CANDIDATES]
-        )
+        if connection.vendor == "postgresql":
+            from . import pgsql
+
+            # Both chores in one probe; each function below probes again itself.
+            expired, cancelling = pgsql.claim_chores(now, now - CANCEL_GRACE)
+        else:
+            expired = cancelling = True
+        if expired:
+            Job.objects.reclaim_expired(now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM)
+        if cancelling:
+            reconcile_on_claim(now=now)
+        if connection.vendor == "postgresql":
+            candidates = pgsql.candidate_batches(now, CLAIM_BATCH_CANDIDATES)
+        else:
+            candidates = self._candidate_batches(now)
         for batch_id in candidates:
             job = self._claim_in_batch(batch_id, worker, now)
             if job is not None:
                 return job
         return None
+
+    def _candidate_batches(self, now: datetime):
+        """Open batches with a claimable job, by priority (``pgsql.CANDIDATES``
+        on PostgreSQL)."""
+        return (
+            Batch.objects.open()
+            .filter(Exists(Job.objects.claimable(now).filter(batch=OuterRef("pk"))))
+            .order_by("-priority", "pk")
+            .values_list("pk", flat=True)[:CLAIM_BATCH_CANDIDATES]
+        )
 
     def _claim_in_batch(
         self, batch_id: int, worker: Worker, now: datetime
@@ -269,20 +296,29 @@ class JobQuerySet(models.QuerySet):
             job = None
             try:
                 with transaction.atomic():
-                    job = (
-                        Job.objects.claimable(now)
-                        .filter(
-                            batch_id=batch_id,
-                            batch__paused_at__isnull=True,
-                            batch__cancelled_at__isnull=True,
+                    if connection.vendor == "postgresql":
+                        from . import pgsql
+
+                        job = pgsql.lock_claimable(batch_id, now)
+                        if job is None or pgsql.start_lease(
+                            job, worker, token=new_lease_token(), now=now
+                        ):
+                            return job
+                    else:
+                        job = (
+                            Job.objects.claimable(now)
+                            .filter(
+                                batch_id=batch_id,
+                                batch__paused_at__isnull=True,
+                                batch__cancelled_at__isnull=True,
+                            )
+                            .select_related("item", "batch")
+                            .select_for_update(
+                                skip_locked=True, no_key=True, of=("self", "item")
+                            )
+                            .order_by("pk")
+                            .first()
                         )
-                        .select_related("item", "batch")
-                        .select_for_update(
-                            skip_locked=True, no_key=True, of=("self", "item")
-                        )
-                        .order_by("pk")
-                        .first()
-                    )
                     if job is not None:
                         job._start_lease(worker, now)
                     return job
@@ -651,6 +687,12 @@ class Job(models.Model):
         that completed it succeeds again (the worker may have lost the response)."""
         now = now or timezone.now()
         with transaction.atomic():
+            if connection.vendor == "postgresql":
+                from . import pgsql
+
+                if pgsql.complete(self.pk, lease_token, worker, result=result, now=now):
+                    self._completed(result, now)
+                    return
             job = self._lock_lease(lease_token, worker)
             if job is None:
                 if Lease.objects.filter(
@@ -885,6 +927,12 @@ class Job(models.Model):
             .first()
         )
 
+    def _completed(self, result: dict, now: datetime) -> None:
+        """Bring this instance in line with a completion written in SQL."""
+        self.status, self.result = JobStatus.COMPLETED, result
+        self.lease_token = self.leased_by_id = self.lease_expires_at = None
+        self.finished_at = self.updated_at = now
+
     def _lost_detail(self) -> str:
         return (
             f"Job {self.pk} is not leased to this worker under this token: the lease "
@@ -900,7 +948,7 @@ class Job(models.Model):
         """queued -> leased for this locked job: job, item, new ledger row."""
         was = self.status
         self.status = JobStatus.LEASED
-        self.lease_token = secrets.token_urlsafe(24)
+        self.lease_token = new_lease_token()
         self.leased_by = worker
         self.lease_expires_at = now + lease_duration()
         self.heartbeat_at = now

@@ -1,8 +1,9 @@
 import pytest
 
-from batches.models import ItemStatus
+from batches.models import BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost
-from jobs.models import Job, JobStatus, Lease, LeaseEnd
+from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
+from jobs.sweep import sweep
 
 from ..factories import assert_consistent, claim, later, make_batch, snapshot
 
@@ -106,3 +107,35 @@ def test_complete_after_expiry_but_before_reclaim_is_accepted(worker, batch):
 
     assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
     assert Job.objects.reclaim_expired(now=later(601)) == {"requeued": 0, "failed": 0}
+
+
+def test_complete_heals_a_drifted_item(worker, batch):
+    # On PostgreSQL the SQL fast path sees the drift and leaves it to the ORM path.
+    job = claim(worker)
+    BatchItem.objects.filter(pk=job.item_id).update(status=ItemStatus.QUEUED)
+
+    job.complete(job.lease_token, worker=worker, result=RESULT, now=later(5))
+
+    assert BatchItem.objects.get(pk=job.item_id).status == ItemStatus.DONE
+    repair = Event.objects.repairs().get(job=job)
+    assert repair.message == "Item was queued while its job was leased; set to done."
+    sweep(now=later(5))
+    assert batch.counts()["done"] == 1
+    assert_consistent(later(5))
+
+
+def test_complete_writes_the_missing_ledger_row_of_its_lease(worker, batch):
+    job = claim(worker)
+    token = job.lease_token
+    Lease.objects.filter(token=token).delete()
+
+    job.complete(token, worker=worker, result=RESULT, now=later(5))
+
+    lease = Lease.objects.get(token=token)
+    assert (lease.ended_at, lease.end_reason) == (later(5), LeaseEnd.COMPLETED)
+    assert Event.objects.repairs().get(job=job).message == (
+        "The live lease had no ledger row; wrote it, closed."
+    )
+    assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
+    assert batch.counts()["done"] == 1
+    assert_consistent(later(5))
