@@ -19,8 +19,8 @@ batch cancel, retry, and the admin's bulk cancel and force reclaim) live on
 decides what to heal and calls the repair methods at the bottom of ``Job``.
 
 On PostgreSQL the clean case of the two hot transitions, a claim's lease and a
-completion, is written by two hand-written statements each (``pgsql.py``) instead
-of the ORM's seven or eight: the same rows, the same transaction, far less CPU.
+completion, is one hand-written statement each (``pgsql.py``) instead of the
+ORM's seven or eight: the same rows, the same transaction, far less CPU.
 Whatever is not the clean case (drifted rows, a replayed completion, a lost
 lease) falls through to the ORM code below, which is the reference.
 """
@@ -258,21 +258,24 @@ class JobQuerySet(models.QuerySet):
         from .reconcile import CANCEL_GRACE, reconcile_on_claim
 
         now = now or timezone.now()
-        if connection.vendor == "postgresql":
+        postgres = connection.vendor == "postgresql"
+        if postgres:
             from . import pgsql
 
-            # Both chores in one probe; each function below probes again itself.
-            expired, cancelling = pgsql.claim_chores(now, now - CANCEL_GRACE)
+            # The chores and the candidates in one probe (each chore probes
+            # again itself; on SQLite that is all they do).
+            plan = (now, now - CANCEL_GRACE, CLAIM_BATCH_CANDIDATES)
+            expired, cancelling, candidates = pgsql.claim_plan(*plan)
         else:
             expired = cancelling = True
         if expired:
             Job.objects.reclaim_expired(now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM)
         if cancelling:
             reconcile_on_claim(now=now)
-        if connection.vendor == "postgresql":
-            candidates = pgsql.candidate_batches(now, CLAIM_BATCH_CANDIDATES)
-        else:
+        if not postgres:
             candidates = self._candidate_batches(now)
+        elif expired or cancelling:
+            candidates = pgsql.claim_plan(*plan)[2]  # the chores changed them
         for batch_id in candidates:
             job = self._claim_in_batch(batch_id, worker, now)
             if job is not None:
@@ -280,7 +283,7 @@ class JobQuerySet(models.QuerySet):
         return None
 
     def _candidate_batches(self, now: datetime):
-        """Open batches with a claimable job, by priority (``pgsql.CANDIDATES``
+        """Open batches with a claimable job, by priority (``pgsql.CLAIM_PLAN``
         on PostgreSQL)."""
         return (
             Batch.objects.open()
@@ -292,33 +295,34 @@ class JobQuerySet(models.QuerySet):
     def _claim_in_batch(
         self, batch_id: int, worker: Worker, now: datetime
     ) -> Job | None:
+        if connection.vendor == "postgresql":
+            from . import pgsql
+
+            # One statement, so atomic by itself. If the rows it found disagree it
+            # wrote nothing, and the code below (which heals them) runs instead.
+            job, written = pgsql.claim(
+                batch_id, worker, token=new_lease_token(), now=now
+            )
+            if written:
+                return job
         for attempt in (1, 2):
             job = None
             try:
                 with transaction.atomic():
-                    if connection.vendor == "postgresql":
-                        from . import pgsql
-
-                        job = pgsql.lock_claimable(batch_id, now)
-                        if job is None or pgsql.start_lease(
-                            job, worker, token=new_lease_token(), now=now
-                        ):
-                            return job
-                    else:
-                        job = (
-                            Job.objects.claimable(now)
-                            .filter(
-                                batch_id=batch_id,
-                                batch__paused_at__isnull=True,
-                                batch__cancelled_at__isnull=True,
-                            )
-                            .select_related("item", "batch")
-                            .select_for_update(
-                                skip_locked=True, no_key=True, of=("self", "item")
-                            )
-                            .order_by("pk")
-                            .first()
+                    job = (
+                        Job.objects.claimable(now)
+                        .filter(
+                            batch_id=batch_id,
+                            batch__paused_at__isnull=True,
+                            batch__cancelled_at__isnull=True,
                         )
+                        .select_related("item", "batch")
+                        .select_for_update(
+                            skip_locked=True, no_key=True, of=("self", "item")
+                        )
+                        .order_by("created_at", "pk")
+                        .first()
+                    )
                     if job is not None:
                         job._start_lease(worker, now)
                     return job
@@ -592,9 +596,11 @@ class Job(models.Model):
             ("run_reconcile", "Can run reconciliation"),
         ]
         indexes = [
-            # Claims: the oldest queued job of one batch.
+            # Claims: the oldest queued job of one batch, in (created_at, id)
+            # order, which the primary key cannot give: so PostgreSQL never walks
+            # the primary key past every finished job instead (see pgsql.py).
             models.Index(
-                fields=["batch", "id"],
+                fields=["batch", "created_at", "id"],
                 name="job_claim",
                 condition=Q(status=JobStatus.QUEUED),
             ),
@@ -686,13 +692,15 @@ class Job(models.Model):
         """Store the result and finish the job. Replaying the call with the token
         that completed it succeeds again (the worker may have lost the response)."""
         now = now or timezone.now()
-        with transaction.atomic():
-            if connection.vendor == "postgresql":
-                from . import pgsql
+        if connection.vendor == "postgresql":
+            from . import pgsql
 
-                if pgsql.complete(self.pk, lease_token, worker, result=result, now=now):
-                    self._completed(result, now)
-                    return
+            # One statement, so atomic by itself; unless the lease is live and its
+            # rows agree it writes nothing, and the code below decides.
+            if pgsql.complete(self.pk, lease_token, worker, result=result, now=now):
+                self._completed(result, now)
+                return
+        with transaction.atomic():
             job = self._lock_lease(lease_token, worker)
             if job is None:
                 if Lease.objects.filter(

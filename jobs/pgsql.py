@@ -1,134 +1,256 @@
-"""The clean case of the two hot transitions, claim and complete, as PostgreSQL SQL.
+"""The clean case of the two hot transitions, claim and complete, in PostgreSQL SQL.
 
 A worker's claim and complete run thousands of times a minute. Through the ORM
-each is seven or eight statements, and building them costs more CPU than
-PostgreSQL spends running them (see BENCHMARKS.md). Here each is two: one that
-locks the rows and reads everything the transition needs to know, and one that
-writes every row together (job, item, counter shard, ledger row, throughput
-minute). They write exactly what ``Job._start_lease`` and ``Job._move`` write.
+a claim plus a complete is about fifteen statements, each built in Python and
+planned anew, and that cost more than PostgreSQL spent running them (see
+BENCHMARKS.md). Here each transition is one statement, prepared once per
+connection: it locks the rows, checks that they agree with each other, and only
+then writes them all together (job, item, counter shard, ledger row, and on
+completion the throughput minute), exactly what ``Job._start_lease`` and
+``Job._move`` write. A claim also looks at what to do first (expired leases,
+an unfinished cancel) and where to look for work in one probe.
 
-These functions only handle the clean case, where the rows agree with each
-other. When the first statement shows anything else (an item whose status has
-drifted, a live lease without its open ledger row), the caller falls back to the
-ORM code in ``jobs/models.py``, which heals and logs the drift. Both statements
-run in the caller's transaction, after which nothing of it is half-written.
+A single statement is atomic by itself, so these run without a transaction
+block of their own (no BEGIN and COMMIT round trips), or inside the caller's.
+Only the clean case is handled here. When the rows disagree (an item whose
+status drifted, a live lease without its open ledger row), the statement writes
+nothing and says so; the caller then runs the ORM code in ``jobs/models.py``,
+which locks the rows again, heals and logs the drift. That code is the
+reference: this module must write what it writes, and the tests run both
+(SQLite has only the ORM path).
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from datetime import datetime
 
 import psycopg
-from django.db import connection
+from django.conf import settings
+from django.db import connection, transaction
 
 from batches.models import COUNTER_SHARDS, Batch, BatchItem, ItemStatus
 
 from .models import Job, JobStatus, LeaseEnd, Worker, lease_duration
 
-JOB_COLUMNS = [f.attname for f in Job._meta.concrete_fields]
-ITEM_COLUMNS = [f.attname for f in BatchItem._meta.concrete_fields]
+# psycopg's default: prepare a statement on its fifth execution (``prepare=True``
+# below prepares ours at once).
+PREPARE_THRESHOLD = 5
 
-# What a claim must do before it takes a job: reclaim expired leases, finish an
-# interrupted batch cancel. Each EXISTS is a probe of a partial index that is
-# empty unless there is something to do.
-CHORES = """
-    SELECT EXISTS (SELECT 1 FROM jobs_job
-                   WHERE status = 'leased' AND lease_expires_at < %(now)s),
-           EXISTS (SELECT 1 FROM batches_batch
-                   WHERE cancelled_at IS NOT NULL AND finished_at IS NULL
-                     AND cancelled_at < %(cancelled_before)s)
+JOB_COLUMNS = [f.column for f in Job._meta.concrete_fields]
+ITEM_COLUMNS = [f.column for f in BatchItem._meta.concrete_fields]
+
+# Before a claim: is there an expired lease to reclaim, an interrupted cancel to
+# finish (each a probe of a partial index that is empty unless so), and which
+# open batches have a claimable job, by priority. The LATERAL ... LIMIT 1 keeps
+# that one probe of the claim index per batch (as a plain EXISTS the planner may
+# hash-join every queued job of every batch).
+#
+# Claims take jobs in (created_at, id) order, the claim index's: within a batch
+# that is the order of the manifest, as by id alone, but the primary key cannot
+# produce it. Ordered by id, PostgreSQL may walk the primary key instead, past
+# every finished job of the table, when its statistics say most jobs are queued
+# (as they do after a big intake): a claim then costs as much as a table scan.
+CLAIM_PLAN = """
+    SELECT
+        EXISTS (SELECT 1 FROM jobs_job
+                WHERE status = 'leased' AND lease_expires_at < %(now)s),
+        EXISTS (SELECT 1 FROM batches_batch
+                WHERE cancelled_at IS NOT NULL AND finished_at IS NULL
+                  AND cancelled_at < %(cancelled_before)s),
+        ARRAY(
+            SELECT b.id FROM batches_batch b
+            CROSS JOIN LATERAL (
+                SELECT 1 FROM jobs_job j
+                WHERE j.batch_id = b.id AND j.status = 'queued'
+                  AND j.available_at <= %(now)s AND j.attempts < j.max_attempts
+                ORDER BY j.created_at, j.id LIMIT 1
+            ) AS claimable
+            WHERE b.paused_at IS NULL AND b.cancelled_at IS NULL
+              AND b.finished_at IS NULL
+            ORDER BY b.priority DESC, b.id LIMIT %(limit)s
+        )
 """
 
-# The open batches with a claimable job, by priority. LATERAL ... LIMIT 1 keeps
-# it one index probe per batch: as a plain EXISTS, the planner may turn it into
-# a hash join over every queued job of every batch.
-CANDIDATES = """
-    SELECT b.id FROM batches_batch b
-    CROSS JOIN LATERAL (
-        SELECT 1 FROM jobs_job j
-        WHERE j.batch_id = b.id AND j.status = 'queued'
+# queued -> leased for the batch's oldest claimable job (SKIP LOCKED), if its
+# item agrees and no ledger row of an earlier lease was left open. Returns the
+# job's and item's columns as they were, the batch's name (what the caller and
+# the claim response need), and whether such a stray ledger row exists.
+CLAIM = f"""
+    WITH pick AS (
+        SELECT {", ".join(f"j.{c} AS j_{c}" for c in JOB_COLUMNS)},
+               {", ".join(f"i.{c} AS i_{c}" for c in ITEM_COLUMNS)},
+               b.name AS batch_name,
+               EXISTS (SELECT 1 FROM jobs_lease l
+                       WHERE l.job_id = j.id AND l.ended_at IS NULL) AS stray_lease
+        FROM jobs_job j
+        JOIN batches_batchitem i ON i.id = j.item_id
+        JOIN batches_batch b ON b.id = j.batch_id
+        WHERE j.batch_id = %(batch)s AND j.status = 'queued'
           AND j.available_at <= %(now)s AND j.attempts < j.max_attempts
-        ORDER BY j.id LIMIT 1
-    ) AS claimable
-    WHERE b.paused_at IS NULL AND b.cancelled_at IS NULL AND b.finished_at IS NULL
-    ORDER BY b.priority DESC, b.id LIMIT %(limit)s
-"""
-
-LOCK_CLAIMABLE = f"""
-    SELECT {", ".join(f"j.{c}" for c in JOB_COLUMNS)},
-           {", ".join(f"i.{c}" for c in ITEM_COLUMNS)}, b.name
-    FROM jobs_job j
-    JOIN batches_batchitem i ON i.id = j.item_id
-    JOIN batches_batch b ON b.id = j.batch_id
-    WHERE j.batch_id = %(batch)s AND j.status = 'queued'
-      AND j.available_at <= %(now)s AND j.attempts < j.max_attempts
-      AND b.paused_at IS NULL AND b.cancelled_at IS NULL
-    ORDER BY j.id LIMIT 1
-    FOR NO KEY UPDATE OF j, i SKIP LOCKED
-"""
-
-START_LEASE = """
-    WITH job AS (
+          AND b.paused_at IS NULL AND b.cancelled_at IS NULL
+        ORDER BY j.created_at, j.id LIMIT 1
+        FOR NO KEY UPDATE OF j, i SKIP LOCKED
+    ), clean AS (
+        SELECT * FROM pick WHERE i_status = 'queued' AND NOT stray_lease
+    ), job AS (
         UPDATE jobs_job SET status = 'leased', lease_token = %(token)s,
             leased_by_id = %(worker)s, lease_expires_at = %(expires)s,
-            heartbeat_at = %(now)s, attempts = %(attempt)s, updated_at = %(now)s
-        WHERE id = %(job)s
+            heartbeat_at = %(now)s, attempts = clean.j_attempts + 1,
+            updated_at = %(now)s
+        FROM clean WHERE jobs_job.id = clean.j_id
+        RETURNING jobs_job.id, jobs_job.attempts
     ), item AS (
         UPDATE batches_batchitem SET status = 'transcribing', updated_at = %(now)s
-        WHERE id = %(item)s
+        FROM clean WHERE batches_batchitem.id = clean.i_id
     ), counter AS (
-        UPDATE batches_batchcounter SET queued = queued - 1,
-            transcribing = transcribing + 1, queued_ms = queued_ms - %(ms)s,
-            transcribing_ms = transcribing_ms + %(ms)s
-        WHERE batch_id = %(batch)s AND shard = %(shard)s
+        UPDATE batches_batchcounter c SET queued = c.queued - 1,
+            transcribing = c.transcribing + 1,
+            queued_ms = c.queued_ms - COALESCE(clean.i_duration_ms, 0),
+            transcribing_ms = c.transcribing_ms + COALESCE(clean.i_duration_ms, 0)
+        FROM clean
+        WHERE c.batch_id = clean.j_batch_id
+          AND c.shard = mod(clean.i_id, {COUNTER_SHARDS})
+    ), lease AS (
+        INSERT INTO jobs_lease (job_id, worker_id, token, attempt, claimed_at,
+                                heartbeat_at, expires_at, error)
+        SELECT id, %(worker)s, %(token)s, attempts, %(now)s, %(now)s,
+               %(expires)s, ''
+        FROM job
     )
-    INSERT INTO jobs_lease (job_id, worker_id, token, attempt, claimed_at,
-                            heartbeat_at, expires_at, error)
-    VALUES (%(job)s, %(worker)s, %(token)s, %(attempt)s, %(now)s, %(now)s,
-            %(expires)s, '')
+    SELECT * FROM pick
 """
 
-LOCK_LEASED = """
-    SELECT j.item_id, j.batch_id, i.status, i.duration_ms, l.id
-    FROM jobs_job j
-    JOIN batches_batchitem i ON i.id = j.item_id
-    LEFT JOIN jobs_lease l ON l.token = j.lease_token AND l.ended_at IS NULL
-    WHERE j.id = %(job)s AND j.status = 'leased' AND j.lease_token = %(token)s
-      AND j.leased_by_id = %(worker)s
-    FOR NO KEY UPDATE OF j, i
-"""
-
-# The counter shard is updated before the minute row (the main statement reads
-# from ``counter``), the order every transition takes: no deadlock.
-FINISH = """
-    WITH job AS (
+# leased -> completed under this lease, if the item and the ledger row agree.
+# The counter shard is updated before the minute row (the minute insert reads
+# from ``counter``), the order every transition takes: no deadlock. Returns the
+# item's status and the open ledger row found (no row: the lease is not live).
+COMPLETE = f"""
+    WITH target AS (
+        SELECT j.id, j.item_id, j.batch_id, i.status AS item_status,
+               COALESCE(i.duration_ms, 0) AS ms, l.id AS lease_id
+        FROM jobs_job j
+        JOIN batches_batchitem i ON i.id = j.item_id
+        LEFT JOIN jobs_lease l ON l.token = j.lease_token AND l.ended_at IS NULL
+        WHERE j.id = %(job)s AND j.status = 'leased' AND j.lease_token = %(token)s
+          AND j.leased_by_id = %(worker)s
+        FOR NO KEY UPDATE OF j, i
+    ), clean AS (
+        SELECT * FROM target
+        WHERE item_status = 'transcribing' AND lease_id IS NOT NULL
+    ), job AS (
         UPDATE jobs_job SET status = 'completed', result = %(result)s::jsonb,
             lease_token = NULL, leased_by_id = NULL, lease_expires_at = NULL,
             finished_at = %(now)s, updated_at = %(now)s
-        WHERE id = %(job)s
+        FROM clean WHERE jobs_job.id = clean.id
     ), lease AS (
-        UPDATE jobs_lease SET ended_at = %(now)s, end_reason = 'completed', error = ''
-        WHERE id = %(lease)s
+        UPDATE jobs_lease SET ended_at = %(now)s, end_reason = 'completed',
+            error = ''
+        FROM clean WHERE jobs_lease.id = clean.lease_id
     ), item AS (
         UPDATE batches_batchitem SET status = 'done', updated_at = %(now)s
-        WHERE id = %(item)s
+        FROM clean WHERE batches_batchitem.id = clean.item_id
     ), counter AS (
-        UPDATE batches_batchcounter SET transcribing = transcribing - 1,
-            done = done + 1, transcribing_ms = transcribing_ms - %(ms)s,
-            done_ms = done_ms + %(ms)s
-        WHERE batch_id = %(batch)s AND shard = %(shard)s
-        RETURNING batch_id
+        UPDATE batches_batchcounter c SET transcribing = c.transcribing - 1,
+            done = c.done + 1, transcribing_ms = c.transcribing_ms - clean.ms,
+            done_ms = c.done_ms + clean.ms
+        FROM clean
+        WHERE c.batch_id = clean.batch_id
+          AND c.shard = mod(clean.item_id, {COUNTER_SHARDS})
+        RETURNING c.batch_id, c.shard, clean.ms
+    ), minute AS (
+        INSERT INTO batches_batchminute
+            (batch_id, minute, shard, done, done_ms, failed, failed_ms)
+        SELECT batch_id, %(minute)s, shard, 1, ms, 0, 0 FROM counter
+        ON CONFLICT (batch_id, minute, shard) DO UPDATE SET
+            done = batches_batchminute.done + 1,
+            done_ms = batches_batchminute.done_ms + excluded.done_ms
     )
-    INSERT INTO batches_batchminute
-        (batch_id, minute, shard, done, done_ms, failed, failed_ms)
-    SELECT batch_id, %(minute)s, %(shard)s, 1, %(ms)s, 0, 0 FROM counter
-    ON CONFLICT (batch_id, minute, shard) DO UPDATE SET
-        done = batches_batchminute.done + 1,
-        done_ms = batches_batchminute.done_ms + excluded.done_ms
+    SELECT item_status, lease_id FROM target
 """
 
 assert LeaseEnd.COMPLETED == "completed" and ItemStatus.DONE == "done"
+assert JobStatus.LEASED == "leased" and ItemStatus.TRANSCRIBING == "transcribing"
+
+
+def claim_plan(
+    now: datetime, cancelled_before: datetime, limit: int
+) -> tuple[bool, bool, list[int]]:
+    """(any lease expired?, any cancel unfinished since ``cancelled_before``?,
+    up to ``limit`` open batches with a claimable job, by priority)."""
+    with _cursor() as cursor:
+        _execute(
+            cursor,
+            CLAIM_PLAN,
+            {"now": now, "cancelled_before": cancelled_before, "limit": limit},
+        )
+        return cursor.fetchone()
+
+
+def claim(
+    batch_id: int, worker: Worker, *, token: str, now: datetime
+) -> tuple[Job | None, bool]:
+    """Lease the batch's next claimable job to ``worker``.
+
+    Returns (None, True) if there is none; (job, True) when it is leased, with
+    ``job.item`` and ``job.batch`` loaded; (job, False) when its item has
+    drifted or a stray ledger row is open: nothing is written.
+    """
+    expires = now + lease_duration()
+    with _cursor() as cursor:
+        _execute(
+            cursor,
+            CLAIM,
+            {
+                "batch": batch_id,
+                "worker": worker.pk,
+                "token": token,
+                "expires": expires,
+                "now": now,
+            },
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None, True
+    n = len(JOB_COLUMNS)
+    job = _from_db(Job, row[:n])
+    job.item = item = _from_db(BatchItem, row[n : n + len(ITEM_COLUMNS)])
+    batch_name, stray_lease = row[-2:]
+    job.batch = Batch(pk=job.batch_id, name=batch_name)
+    if item.status != ItemStatus.QUEUED or stray_lease:
+        return job, False
+    job.status = JobStatus.LEASED
+    job.lease_token, job.leased_by = token, worker
+    job.lease_expires_at, job.heartbeat_at, job.updated_at = expires, now, now
+    job.attempts += 1
+    item.status, item.updated_at = ItemStatus.TRANSCRIBING, now
+    return job, True
+
+
+def complete(
+    job_id: int, lease_token: str, worker: Worker, *, result: dict, now: datetime
+) -> bool | None:
+    """leased -> completed under this lease. None: the lease is not live. False:
+    the rows disagree. True: done. Nothing is written unless True."""
+    with _cursor() as cursor:
+        _execute(
+            cursor,
+            COMPLETE,
+            {
+                "job": job_id,
+                "token": lease_token,
+                "worker": worker.pk,
+                "result": json.dumps(result),
+                "minute": now.replace(second=0, microsecond=0),
+                "now": now,
+            },
+        )
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    item_status, lease_id = row
+    return item_status == ItemStatus.TRANSCRIBING and lease_id is not None
 
 
 def _cursor() -> psycopg.Cursor:
@@ -136,114 +258,25 @@ def _cursor() -> psycopg.Cursor:
     statement here is prepared once per connection and then only executed
     (Django's own cursors bind client-side: every query is planned anew)."""
     connection.ensure_connection()
-    return psycopg.Cursor(connection.connection)
+    raw = connection.connection
+    if (
+        raw.prepare_threshold is None
+        and settings.RECALL_PREPARED_STATEMENTS
+        and not connection.settings_dict["OPTIONS"].get("server_side_binding")
+    ):
+        # Django turns psycopg's statement preparation off. Its own cursors bind
+        # client-side and are never prepared, so this turns it on only here.
+        raw.prepare_threshold = PREPARE_THRESHOLD
+    return psycopg.Cursor(raw)
 
 
 def _execute(cursor: psycopg.Cursor, sql: str, params: dict) -> None:
-    # Errors surface as Django's (IntegrityError, OperationalError...), as from
-    # any other query.
-    with connection.wrap_database_errors:
-        cursor.execute(sql, params, prepare=True)
-
-
-def claim_chores(now: datetime, cancelled_before: datetime) -> tuple[bool, bool]:
-    """(any lease expired?, any batch cancel unfinished since before then?)"""
-    with _cursor() as cursor:
-        _execute(cursor, CHORES, {"now": now, "cancelled_before": cancelled_before})
-        return cursor.fetchone()
-
-
-def candidate_batches(now: datetime, limit: int) -> list[int]:
-    """Up to ``limit`` open batches that have a claimable job, by priority."""
-    with _cursor() as cursor:
-        _execute(cursor, CANDIDATES, {"now": now, "limit": limit})
-        return [row[0] for row in cursor.fetchall()]
-
-
-def lock_claimable(batch_id: int, now: datetime) -> Job | None:
-    """The batch's next claimable job, locked with its item (SKIP LOCKED), with
-    ``item`` and ``batch`` loaded: what the claim and its response need."""
-    with _cursor() as cursor:
-        _execute(cursor, LOCK_CLAIMABLE, {"batch": batch_id, "now": now})
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    n = len(JOB_COLUMNS)
-    job = _from_db(Job, row[:n])
-    item = _from_db(BatchItem, row[n : n + len(ITEM_COLUMNS)])
-    job.item = item
-    job.batch = Batch(pk=job.batch_id, name=row[-1])
-    return job
-
-
-def start_lease(job: Job, worker: Worker, *, token: str, now: datetime) -> bool:
-    """queued -> leased for a job ``lock_claimable`` returned, if its item agrees
-    (else False, nothing written: the ORM path heals it). Updates ``job``."""
-    item = job.item
-    if item.status != ItemStatus.QUEUED:
-        return False
-    job.status = JobStatus.LEASED
-    job.lease_token, job.leased_by = token, worker
-    job.lease_expires_at = now + lease_duration()
-    job.heartbeat_at = job.updated_at = now
-    job.attempts += 1
-    ms = item.duration_ms or 0
-    with _cursor() as cursor:
-        _execute(
-            cursor,
-            START_LEASE,
-            {
-                "job": job.pk,
-                "item": item.pk,
-                "batch": job.batch_id,
-                "shard": item.pk % COUNTER_SHARDS,
-                "worker": worker.pk,
-                "token": token,
-                "expires": job.lease_expires_at,
-                "attempt": job.attempts,
-                "ms": ms,
-                "now": now,
-            },
-        )
-    item.status = ItemStatus.TRANSCRIBING
-    item.updated_at = now
-    return True
-
-
-def complete(
-    job_id: int, lease_token: str, worker: Worker, *, result: dict, now: datetime
-) -> bool | None:
-    """leased -> completed under this lease. None: the lease is not live (nothing
-    locked). False: the rows disagree (locked, nothing written: the ORM path
-    heals). True: done."""
-    with _cursor() as cursor:
-        _execute(
-            cursor,
-            LOCK_LEASED,
-            {"job": job_id, "token": lease_token, "worker": worker.pk},
-        )
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        item_id, batch_id, item_status, ms, lease_id = row
-        if item_status != ItemStatus.TRANSCRIBING or lease_id is None:
-            return False
-        _execute(
-            cursor,
-            FINISH,
-            {
-                "job": job_id,
-                "lease": lease_id,
-                "item": item_id,
-                "batch": batch_id,
-                "shard": item_id % COUNTER_SHARDS,
-                "ms": ms or 0,
-                "result": json.dumps(result),
-                "minute": now.replace(second=0, microsecond=0),
-                "now": now,
-            },
-        )
-    return True
+    # Inside a caller's transaction, a savepoint: a failed statement must not
+    # leave that transaction aborted (as Django's atomic() guarantees for the
+    # ORM path). Errors surface as Django's (IntegrityError, OperationalError...).
+    savepoint = transaction.atomic() if connection.in_atomic_block else nullcontext()
+    with savepoint, connection.wrap_database_errors:
+        cursor.execute(sql, params, prepare=settings.RECALL_PREPARED_STATEMENTS)
 
 
 def _from_db(model, values):

@@ -166,6 +166,10 @@ SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 
 # --- Recall -------------------------------------------------------------------
+# PostgreSQL: prepare the claim's and completion's statements once per connection
+# (jobs/pgsql.py). Turn off behind a pooler that cannot keep prepared statements
+# (PgBouncer in transaction mode before 1.21).
+RECALL_PREPARED_STATEMENTS = env.bool("RECALL_PREPARED_STATEMENTS", default=True)
 RECALL_LEASE_SECONDS = env.int("RECALL_LEASE_SECONDS", default=60)
 RECALL_MAX_ATTEMPTS = env.int("RECALL_MAX_ATTEMPTS", default=3)
 RECALL_RETRY_BACKOFF_SECONDS = env.int("RECALL_RETRY_BACKOFF_SECONDS", default=30)
