@@ -9,7 +9,9 @@ import os
 
 wsgi_app = "recall_site.wsgi:application"
 bind = os.environ.get("RECALL_BIND", "127.0.0.1:8000")
-workers = int(os.environ.get("WEB_CONCURRENCY", "3"))
+# gunicorn's documented starting point, 2 x cores + 1: sync workers each wait on
+# the database for part of every request (see BENCHMARKS.md).
+workers = int(os.environ.get("WEB_CONCURRENCY", str(2 * (os.cpu_count() or 1) + 1)))
 threads = int(os.environ.get("RECALL_WEB_THREADS", "1"))
 worker_class = "gthread" if threads > 1 else "sync"
 timeout = 60

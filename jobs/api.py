@@ -80,6 +80,9 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
         except ApiError as error:
             return error.response()
         except LeaseLost as error:
+            job_id = kwargs.get("job_id")
+            if job_id is not None and not Job.objects.filter(pk=job_id).exists():
+                return _no_such_job(job_id).response()
             return error_response(409, "lease_lost", str(error))
         # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
@@ -229,14 +232,16 @@ def _is_number(value: Any) -> bool:
 
 
 def _job(job_id: int) -> Job:
-    job = (
-        Job.objects.filter(pk=job_id).only("pk").first()
-        if job_id <= MAX_DB_ID
-        else None
-    )
-    if job is None:
-        raise ApiError(404, "not_found", f"There is no job {job_id}.")
-    return job
+    """The job to act on, unread: the transition reads it under its lock, and an
+    unknown id turns out a 404 only when the transition fails (one query less
+    per call on the hot path)."""
+    if job_id > MAX_DB_ID:
+        raise _no_such_job(job_id)
+    return Job(pk=job_id)
+
+
+def _no_such_job(job_id: int) -> ApiError:
+    return ApiError(404, "not_found", f"There is no job {job_id}.")
 
 
 # --- Endpoints ---------------------------------------------------------------------

@@ -151,8 +151,14 @@ class WorkerQuerySet(models.QuerySet):
         """The worker holding ``token`` (active or not), or None."""
         if not (TOKEN_PREFIX_LENGTH < len(token) <= 256):
             return None
-        digest = hash_token(token)
-        for worker in self.filter(token_prefix=token[:TOKEN_PREFIX_LENGTH]):
+        digest, prefix = hash_token(token), token[:TOKEN_PREFIX_LENGTH]
+        if connection.vendor == "postgresql":
+            from . import pgsql
+
+            candidates = pgsql.workers_with_prefix(prefix)  # every API request
+        else:
+            candidates = self.filter(token_prefix=prefix)
+        for worker in candidates:
             if hmac.compare_digest(worker.token_hash, digest):
                 return worker
         return None

@@ -1,4 +1,4 @@
-"""The clean case of the two hot transitions, claim and complete, in PostgreSQL SQL.
+"""The worker API's hot path in PostgreSQL SQL: claim, complete, and worker auth.
 
 A worker's claim and complete run thousands of times a minute. Through the ORM
 a claim plus a complete is about fifteen statements, each built in Python and
@@ -38,8 +38,14 @@ from .models import Job, JobStatus, LeaseEnd, Worker, lease_duration
 # below prepares ours at once).
 PREPARE_THRESHOLD = 5
 
+WORKER_COLUMNS = [f.column for f in Worker._meta.concrete_fields]
 JOB_COLUMNS = [f.column for f in Job._meta.concrete_fields]
 ITEM_COLUMNS = [f.column for f in BatchItem._meta.concrete_fields]
+
+# Every API request authenticates its worker by the token's clear prefix.
+WORKERS_WITH_PREFIX = f"""
+    SELECT {", ".join(WORKER_COLUMNS)} FROM jobs_worker WHERE token_prefix = %(prefix)s
+"""
 
 # Before a claim: is there an expired lease to reclaim, an interrupted cancel to
 # finish (each a probe of a partial index that is empty unless so), and which
@@ -172,6 +178,14 @@ COMPLETE = f"""
 
 assert LeaseEnd.COMPLETED == "completed" and ItemStatus.DONE == "done"
 assert JobStatus.LEASED == "leased" and ItemStatus.TRANSCRIBING == "transcribing"
+
+
+def workers_with_prefix(prefix: str) -> list[Worker]:
+    """The workers whose token starts with ``prefix`` (the caller compares the
+    hashes): ``Worker.objects.filter(token_prefix=prefix)``, prepared."""
+    with _cursor() as cursor:
+        _execute(cursor, WORKERS_WITH_PREFIX, {"prefix": prefix})
+        return [_from_db(Worker, row) for row in cursor.fetchall()]
 
 
 def claim_plan(
