@@ -48,6 +48,13 @@ from .exceptions import LeaseLost
 log = logging.getLogger("recall.jobs")
 
 MAX_ERROR_CHARS = 10_000
+# What an expired lease leaves in the ledger and, on the last attempt, the job
+# ({n}: its max attempts).
+LEASE_EXPIRED = "The lease expired: the worker stopped heartbeating."
+GAVE_UP = (
+    "Gave up: the lease expired on the last allowed attempt ({n} of {n}). If this "
+    "repeats after a retry, the audio may be crashing workers."
+)
 # How many open batches one claim looks at before it reports "nothing claimable".
 CLAIM_BATCH_CANDIDATES = 50
 
@@ -275,7 +282,9 @@ class JobQuerySet(models.QuerySet):
         else:
             expired = cancelling = True
         if expired:
-            Job.objects.reclaim_expired(now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM)
+            Job.objects.reclaim_expired(
+                now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM, wait=False
+            )
         if cancelling:
             reconcile_on_claim(now=now)
         if not postgres:
@@ -305,10 +314,15 @@ class JobQuerySet(models.QuerySet):
             from . import pgsql
 
             # One statement, so atomic by itself. If the rows it found disagree it
-            # wrote nothing, and the code below (which heals them) runs instead.
-            job, written = pgsql.claim(
-                batch_id, worker, token=new_lease_token(), now=now
-            )
+            # wrote nothing, and the code below (which heals them) runs instead;
+            # so it does if a stray ledger row committed after the statement's
+            # snapshot breaks the lease insert (one open row per job).
+            try:
+                job, written = pgsql.claim(
+                    batch_id, worker, token=new_lease_token(), now=now
+                )
+            except IntegrityError:
+                written = False
             if written:
                 return job
         for attempt in (1, 2):
@@ -342,57 +356,49 @@ class JobQuerySet(models.QuerySet):
         return None
 
     def reclaim_expired(
-        self, *, now: datetime | None = None, limit: int | None = None
+        self,
+        *,
+        now: datetime | None = None,
+        limit: int | None = None,
+        wait: bool = True,
     ) -> dict:
         """Reclaim expired leases in bounded transactions; return what happened.
 
         Each chunk locks its jobs with SKIP LOCKED, so concurrent sweeps and claims
         share the work and never reclaim the same lease twice. A job that has used
         its last attempt is failed instead of queued (a poison file must not crash
-        workers forever).
+        workers forever). On PostgreSQL one process reclaims at a time;
+        ``wait=False`` (a claim) returns at once if another one is at it.
         """
         now = now or timezone.now()
         report = {"requeued": 0, "failed": 0}
         if not self.expired(now).exists():  # cheap probe, no transaction
             return report
+        # On PostgreSQL, a chunk of the whole table is one statement (pgsql.py);
+        # the rows it finds disagreeing are left to the ORM chunk below.
+        in_sql = connection.vendor == "postgresql" and not self.query.where
         chunk = settings.RECALL_CHUNK_SIZE
         remaining = limit
         while remaining is None or remaining > 0:
             size = chunk if remaining is None else min(chunk, remaining)
-            with transaction.atomic():
-                jobs = list(
-                    self.expired(now)
-                    .locked(skip_locked=True)
-                    .order_by("lease_expires_at")[:size]
+            if in_sql:
+                from . import pgsql
+
+                looked, unclean, requeued, failed = pgsql.reclaim_chunk(
+                    now, size, expired=LEASE_EXPIRED, gave_up=GAVE_UP, wait=wait
                 )
-                requeue = [j for j in jobs if j.attempts < j.max_attempts]
-                give_up = [j for j in jobs if j.attempts >= j.max_attempts]
-                Job._move(
-                    requeue,
-                    to=JobStatus.QUEUED,
-                    now=now,
-                    lease_end=LeaseEnd.EXPIRED,
-                    error="The lease expired: the worker stopped heartbeating.",
-                )
-                for max_attempts, group in _group_by(give_up, "max_attempts").items():
-                    message = (
-                        f"Gave up: the lease expired on the last allowed attempt "
-                        f"({max_attempts} of {max_attempts}). If this repeats after a "
-                        f"retry, the audio may be crashing workers."
+                if unclean:
+                    healed = Job.objects.filter(pk__in=unclean)._reclaim_chunk(
+                        now, len(unclean)
                     )
-                    Job._move(
-                        group,
-                        to=JobStatus.FAILED,
-                        now=now,
-                        lease_end=LeaseEnd.EXPIRED,
-                        error=message,
-                        last_error=message,
-                    )
-            report["requeued"] += len(requeue)
-            report["failed"] += len(give_up)
+                    requeued, failed = requeued + healed[1], failed + healed[2]
+            else:
+                looked, requeued, failed = self._reclaim_chunk(now, size)
+            report["requeued"] += requeued
+            report["failed"] += failed
             if remaining is not None:
-                remaining -= len(jobs)
-            if len(jobs) < size:
+                remaining -= looked
+            if looked < size:
                 break
         if report["requeued"] or report["failed"]:
             log.info(
@@ -400,6 +406,35 @@ class JobQuerySet(models.QuerySet):
                 report,
             )
         return report
+
+    def _reclaim_chunk(self, now: datetime, size: int) -> tuple[int, int, int]:
+        """One transaction of ``reclaim_expired``: (jobs, requeued, failed)."""
+        with transaction.atomic():
+            jobs = list(
+                self.expired(now)
+                .locked(skip_locked=True)
+                .order_by("lease_expires_at")[:size]
+            )
+            requeue = [j for j in jobs if j.attempts < j.max_attempts]
+            give_up = [j for j in jobs if j.attempts >= j.max_attempts]
+            Job._move(
+                requeue,
+                to=JobStatus.QUEUED,
+                now=now,
+                lease_end=LeaseEnd.EXPIRED,
+                error=LEASE_EXPIRED,
+            )
+            for max_attempts, group in _group_by(give_up, "max_attempts").items():
+                message = GAVE_UP.replace("{n}", str(max_attempts))
+                Job._move(
+                    group,
+                    to=JobStatus.FAILED,
+                    now=now,
+                    lease_end=LeaseEnd.EXPIRED,
+                    error=message,
+                    last_error=message,
+                )
+        return len(jobs), len(requeue), len(give_up)
 
     def cancel_batch(
         self,

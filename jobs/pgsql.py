@@ -176,7 +176,104 @@ COMPLETE = f"""
     SELECT item_status, lease_id FROM target
 """
 
+# leased -> queued (attempts left) or failed (none left) for up to ``size``
+# expired leases, oldest first (SKIP LOCKED: concurrent sweeps and claims share
+# the work), whose items and ledger rows agree. The counter shards are locked in
+# (batch, shard) order before they are updated, as every transition orders them,
+# and the failed ones' minute rows after them. Returns every job it looked at,
+# and whether it was clean (the others are left to the ORM path).
+#
+# One reclaimer at a time: every chunk first takes a transaction-level advisory
+# lock ({gate}). A sweep waits for it; a claim only tries, and if another
+# process is reclaiming right then, claims without waiting. Reclaims all shift
+# the same counter rows of a batch, so several at once only queue on them: a
+# claim stuck behind seven others' chunks waited 260 ms, now it waits for none.
+RECLAIM_GATE_KEY = 0x7265636C61696D  # "reclaim"
+RECLAIM_TEMPLATE = f"""
+    WITH gate AS (
+        {{gate}}
+    ), pick AS (
+        SELECT j.id, j.item_id, j.batch_id, j.attempts, j.max_attempts,
+               i.status AS item_status, COALESCE(i.duration_ms, 0) AS ms,
+               (SELECT l.id FROM jobs_lease l
+                WHERE l.token = j.lease_token AND l.ended_at IS NULL) AS lease_id
+        FROM jobs_job j
+        JOIN batches_batchitem i ON i.id = j.item_id
+        WHERE j.status = 'leased' AND j.lease_expires_at < %(now)s
+          AND (SELECT open FROM gate)
+        ORDER BY j.lease_expires_at LIMIT %(size)s
+        FOR NO KEY UPDATE OF j, i SKIP LOCKED
+    ), clean AS (
+        SELECT *, attempts < max_attempts AS requeue,
+               replace(%(gave_up)s, '{{{{n}}}}', max_attempts::text) AS gave_up
+        FROM pick
+        WHERE item_status = 'transcribing' AND lease_id IS NOT NULL
+    ), job AS (
+        UPDATE jobs_job j SET
+            status = CASE WHEN clean.requeue THEN 'queued' ELSE 'failed' END,
+            lease_token = NULL, leased_by_id = NULL, lease_expires_at = NULL,
+            updated_at = %(now)s,
+            available_at = CASE WHEN clean.requeue THEN %(now)s
+                                ELSE j.available_at END,
+            finished_at = CASE WHEN clean.requeue THEN NULL ELSE %(now)s END,
+            last_error = CASE WHEN clean.requeue THEN j.last_error
+                              ELSE clean.gave_up END
+        FROM clean WHERE j.id = clean.id
+    ), lease AS (
+        UPDATE jobs_lease l SET ended_at = %(now)s, end_reason = 'expired',
+            error = CASE WHEN clean.requeue THEN %(expired)s ELSE clean.gave_up END
+        FROM clean WHERE l.id = clean.lease_id
+    ), item AS (
+        UPDATE batches_batchitem i SET updated_at = %(now)s,
+            status = CASE WHEN clean.requeue THEN 'queued' ELSE 'failed' END
+        FROM clean WHERE i.id = clean.item_id
+    ), shift AS (
+        SELECT batch_id, mod(item_id, {COUNTER_SHARDS}) AS shard,
+               count(*) AS n, sum(ms) AS ms,
+               count(*) FILTER (WHERE requeue) AS queued,
+               COALESCE(sum(ms) FILTER (WHERE requeue), 0) AS queued_ms,
+               count(*) FILTER (WHERE NOT requeue) AS failed,
+               COALESCE(sum(ms) FILTER (WHERE NOT requeue), 0) AS failed_ms
+        FROM clean GROUP BY 1, 2
+    ), locked AS (
+        SELECT c.id, shift.*
+        FROM batches_batchcounter c
+        JOIN shift ON c.batch_id = shift.batch_id AND c.shard = shift.shard
+        ORDER BY c.batch_id, c.shard
+        FOR NO KEY UPDATE OF c
+    ), counter AS (
+        UPDATE batches_batchcounter c SET
+            transcribing = c.transcribing - locked.n,
+            transcribing_ms = c.transcribing_ms - locked.ms,
+            queued = c.queued + locked.queued,
+            queued_ms = c.queued_ms + locked.queued_ms,
+            failed = c.failed + locked.failed,
+            failed_ms = c.failed_ms + locked.failed_ms
+        FROM locked WHERE c.id = locked.id
+        RETURNING c.batch_id, c.shard, locked.failed, locked.failed_ms
+    ), minute AS (
+        INSERT INTO batches_batchminute
+            (batch_id, minute, shard, done, done_ms, failed, failed_ms)
+        SELECT batch_id, %(minute)s, shard, 0, 0, failed, failed_ms
+        FROM counter WHERE failed > 0
+        ORDER BY batch_id, shard
+        ON CONFLICT (batch_id, minute, shard) DO UPDATE SET
+            failed = batches_batchminute.failed + excluded.failed,
+            failed_ms = batches_batchminute.failed_ms + excluded.failed_ms
+    )
+    SELECT id, item_status = 'transcribing' AND lease_id IS NOT NULL,
+           attempts < max_attempts
+    FROM pick
+"""
+RECLAIM_WAITING = RECLAIM_TEMPLATE.format(
+    gate=f"SELECT true AS open FROM pg_advisory_xact_lock({RECLAIM_GATE_KEY})"
+)
+RECLAIM_UNLESS_BUSY = RECLAIM_TEMPLATE.format(
+    gate=f"SELECT pg_try_advisory_xact_lock({RECLAIM_GATE_KEY}) AS open"
+)
+
 assert LeaseEnd.COMPLETED == "completed" and ItemStatus.DONE == "done"
+assert LeaseEnd.EXPIRED == "expired" and JobStatus.FAILED == "failed"
 assert JobStatus.LEASED == "leased" and ItemStatus.TRANSCRIBING == "transcribing"
 
 
@@ -265,6 +362,36 @@ def complete(
         return None
     item_status, lease_id = row
     return item_status == ItemStatus.TRANSCRIBING and lease_id is not None
+
+
+def reclaim_chunk(
+    now: datetime, size: int, *, expired: str, gave_up: str, wait: bool = True
+) -> tuple[int, list[int], int, int]:
+    """Reclaim up to ``size`` expired leases whose rows agree.
+
+    ``expired`` is the ledger's error for a requeued job; ``gave_up`` the
+    message for one failed for good (``{n}``: its max attempts). ``wait=False``:
+    do nothing if another process is reclaiming. Returns (jobs looked at, ids
+    of those whose rows disagree: nothing written for them, jobs queued again,
+    jobs failed for good).
+    """
+    with _cursor() as cursor:
+        _execute(
+            cursor,
+            RECLAIM_WAITING if wait else RECLAIM_UNLESS_BUSY,
+            {
+                "now": now,
+                "size": size,
+                "expired": expired,
+                "gave_up": gave_up,
+                "minute": now.replace(second=0, microsecond=0),
+            },
+        )
+        rows = cursor.fetchall()
+    requeued = sum(1 for _, clean, requeue in rows if clean and requeue)
+    failed = sum(1 for _, clean, requeue in rows if clean and not requeue)
+    unclean = [job_id for job_id, clean, _ in rows if not clean]
+    return len(rows), unclean, requeued, failed
 
 
 def _cursor() -> psycopg.Cursor:

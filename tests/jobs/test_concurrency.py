@@ -154,3 +154,53 @@ def test_completion_racing_reclaim_has_exactly_one_winner_per_job():
     assert sum(s == JobStatus.QUEUED for s in statuses.values()) == reclaimed
     assert batch.counts()["done"] == len(completed)
     assert_consistent(later(70))
+
+
+@pytest.mark.postgres
+def test_a_claim_does_not_queue_behind_another_reclaimer_but_a_sweep_does():
+    from jobs.pgsql import RECLAIM_GATE_KEY
+
+    make_batch(2)
+    worker = make_worker("w")
+    stale = Job.objects.claim_next(worker, now=later(0))
+    holding, release = threading.Event(), threading.Event()
+
+    def another_reclaimer(i, barrier):
+        # Holds the reclaim gate, as a sweep does while it reclaims a chunk.
+        with connections["default"].cursor() as cursor:
+            cursor.execute("BEGIN")
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [RECLAIM_GATE_KEY])
+            holding.set()
+            release.wait(timeout=30)
+            cursor.execute("COMMIT")
+
+    gate = threading.Thread(target=run_threads, args=(another_reclaimer, 1))
+    gate.start()
+    assert holding.wait(timeout=30)
+    try:
+        # The claim does not wait: it takes the other job, the expired lease is
+        # left to whoever holds the gate.
+        job = Job.objects.claim_next(worker, now=later(61))
+        assert job is not None and job.pk != stale.pk
+        assert Job.objects.get(pk=stale.pk).status == JobStatus.LEASED
+
+        # A sweep waits for the gate, then reclaims.
+        swept = []
+
+        def sweep_when_free():
+            try:
+                swept.append(Job.objects.reclaim_expired(now=later(62)))
+            finally:
+                connections.close_all()
+
+        sweeper = threading.Thread(target=sweep_when_free)
+        sweeper.start()
+        sweeper.join(timeout=1)
+        assert sweeper.is_alive() and swept == []
+    finally:
+        release.set()
+        gate.join(timeout=30)
+    sweeper.join(timeout=30)
+    assert swept == [{"requeued": 1, "failed": 0}]
+    assert Job.objects.get(pk=stale.pk).status == JobStatus.QUEUED
+    assert_consistent(later(62))

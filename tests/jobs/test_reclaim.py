@@ -1,7 +1,8 @@
 import pytest
 
-from batches.models import Batch, ItemStatus
+from batches.models import Batch, BatchItem, ItemStatus
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
+from jobs.sweep import sweep
 
 from ..factories import (
     T0,
@@ -195,3 +196,45 @@ def test_bulk_force_reclaim_pages_through_large_selections(worker, settings):
     assert Job.objects.all().force_reclaim(now=later(1)) == 5
     assert not Job.objects.filter(status=JobStatus.LEASED).exists()
     assert_consistent(later(1))
+
+
+def test_reclaim_heals_a_drifted_item_and_still_reclaims_the_rest(worker, batch):
+    # On PostgreSQL the SQL chunk leaves the drifted job to the ORM path.
+    drifted, clean = claim(worker), claim(worker)
+    BatchItem.objects.filter(pk=drifted.item_id).update(status=ItemStatus.DONE)
+
+    report = Job.objects.reclaim_expired(now=later(61))
+
+    assert report == {"requeued": 2, "failed": 0}
+    for job in (drifted, clean):
+        assert Job.objects.get(pk=job.pk).status == JobStatus.QUEUED
+        assert BatchItem.objects.get(pk=job.item_id).status == ItemStatus.QUEUED
+    repair = Event.objects.repairs().get()
+    assert repair.job_id == drifted.pk
+    assert repair.message == "Item was done while its job was leased; set to queued."
+    sweep(now=later(61))  # the repair asked for a recount
+    assert batch.counts()["queued"] == 3
+    assert_consistent(later(61))
+
+
+def test_reclaim_writes_the_missing_ledger_row_of_an_expired_lease(worker, batch):
+    job = claim(worker)
+    Lease.objects.filter(token=job.lease_token).delete()
+
+    Job.objects.reclaim_expired(now=later(61))
+
+    lease = Lease.objects.get(job=job)
+    assert (lease.end_reason, lease.ended_at) == (LeaseEnd.EXPIRED, later(61))
+    assert Job.objects.get(pk=job.pk).status == JobStatus.QUEUED
+    assert_consistent(later(61))
+
+
+def test_reclaim_of_a_filtered_queryset_touches_only_its_jobs(worker, db):
+    mine, other = make_batch(1, name="mine"), make_batch(1, name="other")
+    a, b = claim(worker), claim(worker)
+
+    Job.objects.filter(batch=mine).reclaim_expired(now=later(61))
+
+    assert Job.objects.get(pk=a.pk).status == JobStatus.QUEUED
+    assert Job.objects.get(pk=b.pk).status == JobStatus.LEASED
+    assert other.counts()["transcribing"] == 1
