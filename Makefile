@@ -11,14 +11,17 @@ CHAOS_DURATION ?= 180
 CHAOS_WORKERS ?= 12
 CHAOS_ITEMS ?= 3000
 
-.PHONY: demo run test chaos lint format clean
+# make bench knobs (see `python -m bench --help`), e.g. BENCH_ARGS="--only 5,6".
+BENCH_ARGS ?=
+
+.PHONY: demo run test chaos bench lint format clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	@touch $@
 
-$(VENV)/.dev: requirements.txt requirements-dev.txt $(VENV)/.runtime
+$(VENV)/.dev: requirements.txt requirements-dev.txt requirements-bench.txt $(VENV)/.runtime
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
 	@touch $@
 
@@ -33,6 +36,9 @@ test: $(VENV)/.dev
 
 chaos: $(VENV)/.dev
 	$(PY) -m tests.chaos --duration $(CHAOS_DURATION) --workers $(CHAOS_WORKERS) --items $(CHAOS_ITEMS) $(CHAOS_ARGS)
+
+bench: $(VENV)/.dev
+	$(PY) -m bench $(BENCH_ARGS)
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

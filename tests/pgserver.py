@@ -67,10 +67,12 @@ class PrivatePostgres:
     def url(self, database: str = "recall") -> str:
         return f"postgres://root@127.0.0.1:{self.port}/{database}"
 
-    def start(self) -> None:
-        options = (
-            f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-            f"-c fsync=off -c max_connections=200"
+    def start(self, settings: dict[str, str] | None = None) -> None:
+        """Start the server: fsync off and 200 connections unless ``settings``
+        (PostgreSQL parameters) say otherwise."""
+        settings = {"fsync": "off", "max_connections": "200", **(settings or {})}
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 " + (
+            " ".join(f"-c {name}={value}" for name, value in settings.items())
         )
         self._run(
             _bin("pg_ctl"), "-D", str(self.data), "-o", options,

@@ -1,0 +1,320 @@
+"""The loops the benchmark runs in P processes at once, and the runner for them.
+
+Each loop runs in a process of its own (``spawn``: a fresh interpreter with no
+inherited connections), prepares (Django set-up, connections), reports ready,
+waits for the common start, then works until the shared deadline or until the
+queue is empty, and returns what it counted. Starting together and stopping at
+one deadline makes the figures rates over the same wall-clock window.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import multiprocessing
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+LOOPS: dict[str, Callable[..., dict]] = {}
+
+
+def loop(function: Callable[..., dict]) -> Callable[..., dict]:
+    LOOPS[function.__name__] = function
+    return function
+
+
+def run(
+    kind: str,
+    args: list[dict],
+    *,
+    duration: float,
+    timeout: float | None = None,
+    started: threading.Event | None = None,
+) -> list[dict]:
+    """Run loop ``kind`` in ``len(args)`` processes for ``duration`` seconds.
+
+    ``started`` (for a caller running this in a thread) is set when they start.
+    """
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Queue(), context.Queue()
+    start, deadline = context.Event(), context.Value("d", 0.0)
+    processes = [
+        context.Process(
+            target=_child, args=(kind, a, ready, start, deadline, results), daemon=True
+        )
+        for a in args
+    ]
+    for p in processes:
+        p.start()
+    try:
+        for _ in processes:
+            ready.get(timeout=120)
+        deadline.value = time.time() + duration
+        start.set()
+        if started is not None:
+            started.set()
+        wait = duration + (timeout if timeout is not None else 120)
+        out = [results.get(timeout=wait) for _ in processes]
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = [o["error"] for o in out if "error" in o]
+    if errors:
+        raise RuntimeError(f"{kind} loop failed: {errors[0]}")
+    return out
+
+
+def _child(kind, args, ready, start, deadline, results) -> None:
+    try:
+        if kind != "raw":
+            import django
+
+            django.setup()
+        prepared = LOOPS[kind](args, None)
+        ready.put(True)
+        start.wait()
+        results.put(LOOPS[kind](args, (prepared, deadline.value)))
+    except BaseException as error:  # report it: a silent child hangs the run
+        ready.put(False)
+        results.put({"error": f"{type(error).__name__}: {error}"})
+
+
+def _latency_report(latencies: list[float], done: int, elapsed: float) -> dict:
+    return {"done": done, "elapsed": elapsed, "latencies": latencies}
+
+
+# --- 1. The raw-SQL limit -------------------------------------------------------
+
+RAW_CLAIM = """
+    WITH pick AS (
+        SELECT j.id, j.item_id, j.attempts, COALESCE(i.duration_ms, 0) AS ms,
+               i.source, i.params, b.name
+        FROM jobs_job j
+        JOIN batches_batchitem i ON i.id = j.item_id
+        JOIN batches_batch b ON b.id = j.batch_id
+        WHERE j.batch_id = %(batch)s AND j.status = 'queued'
+          AND j.available_at <= now() AND j.attempts < j.max_attempts
+        ORDER BY j.created_at, j.id LIMIT 1
+        FOR NO KEY UPDATE OF j, i SKIP LOCKED
+    ), job AS (
+        UPDATE jobs_job SET status = 'leased', lease_token = %(token)s,
+            leased_by_id = %(worker)s, lease_expires_at = now() + interval '60 s',
+            heartbeat_at = now(), attempts = pick.attempts + 1, updated_at = now()
+        FROM pick WHERE jobs_job.id = pick.id
+        RETURNING jobs_job.id, jobs_job.attempts
+    ), item AS (
+        UPDATE batches_batchitem SET status = 'transcribing', updated_at = now()
+        FROM pick WHERE batches_batchitem.id = pick.item_id
+    ), counter AS (
+        UPDATE batches_batchcounter c SET queued = c.queued - 1,
+            transcribing = c.transcribing + 1, queued_ms = c.queued_ms - pick.ms,
+            transcribing_ms = c.transcribing_ms + pick.ms
+        FROM pick WHERE c.batch_id = %(batch)s AND c.shard = mod(pick.item_id, 16)
+    ), lease AS (
+        INSERT INTO jobs_lease (job_id, worker_id, token, attempt, claimed_at,
+                                heartbeat_at, expires_at, error)
+        SELECT id, %(worker)s, %(token)s, attempts, now(), now(),
+               now() + interval '60 s', ''
+        FROM job
+    )
+    SELECT id, source, params, name FROM pick
+"""
+RAW_COMPLETE = """
+    WITH target AS (
+        SELECT j.id, j.item_id, j.batch_id, COALESCE(i.duration_ms, 0) AS ms,
+               l.id AS lease_id
+        FROM jobs_job j
+        JOIN batches_batchitem i ON i.id = j.item_id
+        JOIN jobs_lease l ON l.token = j.lease_token AND l.ended_at IS NULL
+        WHERE j.id = %(job)s AND j.status = 'leased' AND j.lease_token = %(token)s
+          AND j.leased_by_id = %(worker)s
+        FOR NO KEY UPDATE OF j, i
+    ), job AS (
+        UPDATE jobs_job SET status = 'completed', result = %(result)s,
+            lease_token = NULL, leased_by_id = NULL, lease_expires_at = NULL,
+            finished_at = now(), updated_at = now()
+        FROM target WHERE jobs_job.id = target.id
+    ), lease AS (
+        UPDATE jobs_lease SET ended_at = now(), end_reason = 'completed'
+        FROM target WHERE jobs_lease.id = target.lease_id
+    ), item AS (
+        UPDATE batches_batchitem SET status = 'done', updated_at = now()
+        FROM target WHERE batches_batchitem.id = target.item_id
+    ), counter AS (
+        UPDATE batches_batchcounter c SET transcribing = c.transcribing - 1,
+            done = c.done + 1, transcribing_ms = c.transcribing_ms - target.ms,
+            done_ms = c.done_ms + target.ms
+        FROM target
+        WHERE c.batch_id = target.batch_id AND c.shard = mod(target.item_id, 16)
+        RETURNING c.batch_id, c.shard, target.ms
+    )
+    INSERT INTO batches_batchminute
+        (batch_id, minute, shard, done, done_ms, failed, failed_ms)
+    SELECT batch_id, date_trunc('minute', now()), shard, 1, ms, 0, 0 FROM counter
+    ON CONFLICT (batch_id, minute, shard) DO UPDATE SET
+        done = batches_batchminute.done + 1,
+        done_ms = batches_batchminute.done_ms + excluded.done_ms
+"""
+
+
+@loop
+def raw(args: dict, started) -> dict:
+    """Recall's per-job writes as hand-written SQL over psycopg: no Django, no HTTP.
+
+    The same rows as a claim and a complete (job, item, counter shard, ledger
+    row; and the throughput minute on completion), each transition one
+    statement in autocommit (so its own transaction), prepared: the leanest
+    way to make those writes atomically.
+    """
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    if started is None:
+        return {}
+    connection = psycopg.connect(args["dsn"], autocommit=True)
+    _, deadline = started
+    done, began = 0, time.perf_counter()
+    result = Jsonb({"text": "ok"})
+    with connection:
+        while time.time() < deadline:
+            p = {
+                "batch": args["batch"],
+                "worker": args["worker"],
+                "token": secrets.token_urlsafe(24),
+            }
+            row = connection.execute(RAW_CLAIM, p, prepare=True).fetchone()
+            if row is None:
+                break
+            p.update(job=row[0], result=result)
+            connection.execute(RAW_COMPLETE, p, prepare=True)
+            done += 1
+    return {"done": done, "elapsed": time.perf_counter() - began}
+
+
+# --- 2. The model layer -----------------------------------------------------------
+
+
+@loop
+def model(args: dict, started) -> dict:
+    """``Job.objects.claim_next`` then ``job.complete``, as the API calls them.
+
+    With ``latency``: also the time of every claim. With ``bucket``: completions
+    per ``bucket`` seconds (sustained load).
+    """
+    from jobs.models import Job, Worker
+
+    worker = Worker.objects.get(pk=args["worker"])
+    if started is None:
+        Job.objects.filter(pk=0).exists()  # open the connection before the start
+        return {}
+    _, deadline = started
+    latencies, buckets = [], []
+    done, began = 0, time.perf_counter()
+    bucket = args.get("bucket")
+    while time.time() < deadline:
+        t0 = time.perf_counter()
+        job = Job.objects.claim_next(worker)
+        if args.get("latency"):
+            latencies.append(time.perf_counter() - t0)
+
+        if job is None:
+            break
+        job.complete(job.lease_token, worker=worker, result={"text": "ok"})
+        done += 1
+        if bucket:
+            index = int((time.perf_counter() - began) // bucket)
+            buckets.extend([0] * (index + 1 - len(buckets)))
+            buckets[index] += 1
+    report = _latency_report(latencies, done, time.perf_counter() - began)
+    report["buckets"] = buckets
+    return report
+
+
+# --- 3. The HTTP API ---------------------------------------------------------------
+
+
+@loop
+def http_api(args: dict, started) -> dict:
+    """claim + complete against the running server, as a worker does."""
+    if started is None:
+        return {}
+    _, deadline = started
+    host, port = args["host"], args["port"]
+    headers = {
+        "Authorization": f"Bearer {args['token']}",
+        "Content-Type": "application/json",
+    }
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+
+    def post(path: str, body: dict) -> tuple[int, bytes]:
+        nonlocal connection
+        for _ in range(3):
+            try:
+                connection.request("POST", path, json.dumps(body), headers)
+                response = connection.getresponse()
+                data = response.read()
+                if response.getheader("Connection", "").lower() == "close":
+                    connection.close()
+                return response.status, data
+            except (http.client.HTTPException, ConnectionError):
+                connection.close()
+                connection = http.client.HTTPConnection(host, port, timeout=60)
+        raise RuntimeError(f"POST {path} failed three times")
+
+    done, errors, began = 0, 0, time.perf_counter()
+    while time.time() < deadline:
+        status, data = post("/api/v1/claim", {})
+        if status == 204:
+            break
+        if status != 200:
+            errors += 1
+            continue
+        job = json.loads(data)["job"]
+        status, _ = post(
+            f"/api/v1/jobs/{job['id']}/complete",
+            {"lease_token": job["lease_token"], "result": {"text": "ok"}},
+        )
+        if status == 200:
+            done += 1
+        else:
+            errors += 1
+    connection.close()
+    return {"done": done, "errors": errors, "elapsed": time.perf_counter() - began}
+
+
+# --- 5. Idle claims -----------------------------------------------------------------
+
+
+@loop
+def idle_claim(args: dict, started) -> dict:
+    """Claims on an empty queue through Django's full request handling (in this
+    process, so the time is the server's: no network, no client)."""
+    from django.test import Client
+
+    client = Client(HTTP_HOST="127.0.0.1")
+    headers = {"HTTP_AUTHORIZATION": f"Bearer {args['token']}"}
+    if started is None:
+        client.post("/api/v1/claim", content_type="application/json", **headers)
+        return {}
+    _, deadline = started
+    latencies, statuses = [], {}
+    began = time.perf_counter()
+    while time.time() < deadline and len(latencies) < args.get("limit", 10**9):
+        t0 = time.perf_counter()
+        response = client.post(
+            "/api/v1/claim", content_type="application/json", **headers
+        )
+        latencies.append(time.perf_counter() - t0)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+    report = _latency_report(latencies, len(latencies), time.perf_counter() - began)
+    report["statuses"] = statuses
+    return report
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,732 @@
+"""``make bench``: Recall's speed, side by side with the raw-SQL limit and peers.
+
+Starts a private PostgreSQL server with stock settings (autovacuum on, as in
+production; ``--database-url`` measures another server instead), migrates a
+fresh database, runs the scenarios of BENCHMARKS.md and prints one table. Each
+throughput figure is the median of ``--runs`` runs; latencies are pooled over
+them. Absolute figures depend on the machine: the ratios, measured in the same
+run on the same server, are what the targets are about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Sizes:
+    processes: int = 8
+    runs: int = 3
+    throughput_seconds: float = 10.0
+    throughput_jobs: int = 60_000
+    peer_jobs: int = 5_000
+    finished: int = 1_000_000
+    live_leases: int = 10_000
+    idle_seconds: float = 10.0
+    page_requests: int = 30
+    hot_batches: int = 100
+    intake_items: int = 100_000
+    sustain_seconds: float = 600.0
+    sustain_bucket: float = 60.0
+
+    @classmethod
+    def quick(cls, processes: int) -> Sizes:
+        """Tiny sizes: the smoke run in `make test` (the harness cannot rot)."""
+        return cls(
+            processes=processes,
+            runs=1,
+            throughput_seconds=1.0,
+            throughput_jobs=400,
+            peer_jobs=40,
+            finished=2_000,
+            live_leases=40,
+            idle_seconds=0.5,
+            page_requests=3,
+            hot_batches=5,
+            intake_items=300,
+            sustain_seconds=3.0,
+            sustain_bucket=1.0,
+        )
+
+
+@dataclass
+class Row:
+    number: str
+    scenario: str
+    figure: str
+    value: str
+    target: str = ""
+    verdict: str = ""
+
+
+@dataclass
+class Bench:
+    sizes: Sizes
+    database_url: str
+    scenarios: set[str]
+    rows: list[Row] = field(default_factory=list)
+    figures: dict[str, float] = field(default_factory=dict)
+    server: object = None  # the gunicorn process, while it runs
+    server_port: int = 0
+
+    def add(self, number, scenario, figure, value, target="", verdict=None):
+        ok = "" if verdict is None else ("ok" if verdict else "MISSED")
+        self.rows.append(Row(number, scenario, figure, value, target, ok))
+        print(f"  {scenario}: {figure} = {value}  {target} {ok}", flush=True)
+
+    @property
+    def p(self) -> int:
+        return self.sizes.processes
+
+
+# --- Set-up ------------------------------------------------------------------------
+
+
+def _start_database(args) -> tuple[str, object | None]:
+    if args.database_url:
+        return args.database_url, None
+    sys.path.insert(0, str(ROOT))
+    from tests.pgserver import PrivatePostgres
+
+    server = PrivatePostgres()
+    # Stock PostgreSQL (fsync on, autovacuum on) with room for the clients.
+    server.start(settings={"fsync": "on", "max_connections": "300"})
+    return server.create_database("recall_bench"), server
+
+
+def _create_database(url: str, name: str) -> str:
+    import psycopg
+
+    base, _, _ = url.rpartition("/")
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        connection.execute(f'CREATE DATABASE "{name}"')
+    return f"{base}/{name}"
+
+
+def _setup_django(database_url: str) -> None:
+    os.environ["DATABASE_URL"] = database_url
+    os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))
+    os.environ["RECALL_HTTPS"] = "off"
+    os.environ.setdefault("LOG_LEVEL", "WARNING")
+    os.environ["CONN_MAX_AGE"] = "600"
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "recall_site.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0, interactive=False)
+    call_command("collectstatic", verbosity=0, interactive=False)
+
+
+def _start_gunicorn(bench: Bench) -> None:
+    from tests.pgserver import free_port
+
+    bench.server_port = free_port()
+    # The production configuration (gunicorn.conf.py, README), on another port.
+    env = {
+        **os.environ,
+        "RECALL_BIND": f"127.0.0.1:{bench.server_port}",
+        "RECALL_STARTUP_SWEEP": "quick",
+    }
+    log = open(Path(tempfile.gettempdir()) / "recall-bench-gunicorn.log", "ab")  # noqa: SIM115
+    bench.server = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    import http.client
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            connection = http.client.HTTPConnection("127.0.0.1", bench.server_port)
+            connection.request("GET", "/healthz")
+            if connection.getresponse().status == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError("gunicorn did not start (see recall-bench-gunicorn.log)")
+
+
+def _stop_gunicorn(bench: Bench) -> None:
+    if bench.server is not None:
+        bench.server.terminate()
+        try:
+            bench.server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            bench.server.kill()
+        bench.server = None
+
+
+# --- Helpers ------------------------------------------------------------------------
+
+
+def _rate(results: list[dict]) -> float:
+    done = sum(r["done"] for r in results)
+    elapsed = max(r["elapsed"] for r in results)
+    return done / elapsed if elapsed else 0.0
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _workers(n: int):
+    from bench import seed
+
+    return seed.workers(n)
+
+
+def _queue(bench: Bench, jobs: int, batches: int = 1) -> list[int]:
+    """``jobs`` queued jobs over ``batches`` batches, each batch half done.
+
+    Half done, as a batch is for most of its life: a table of nothing but queued
+    jobs is not what production looks like, and makes PostgreSQL's planner
+    weigh the claim index and the primary key alike.
+    """
+    from bench import seed
+    from bench.loops import utcnow
+
+    seed.reset()
+    now = utcnow() - timedelta(seconds=1)
+    per = max(1, jobs // batches)
+    return [
+        seed.batch(f"bench-{i}", now=now, completed=per, queued=per).pk
+        for i in range(batches)
+    ]
+
+
+def _throughput(bench: Bench, kind: str, batches: int = 1) -> float:
+    from bench import loops
+
+    workers = _workers(bench.p)
+    batch_ids = _queue(bench, bench.sizes.throughput_jobs, batches)
+    if kind == "raw":
+        args = [
+            {"dsn": bench.database_url, "batch": batch_ids[0], "worker": w.pk}
+            for w, _ in workers
+        ]
+    elif kind == "model":
+        args = [{"worker": w.pk} for w, _ in workers]
+    else:
+        args = [
+            {"host": "127.0.0.1", "port": bench.server_port, "token": token}
+            for _, token in workers
+        ]
+    results = loops.run(kind, args, duration=bench.sizes.throughput_seconds)
+    if kind == "http_api" and any(r["errors"] for r in results):
+        raise RuntimeError(f"HTTP errors: {[r['errors'] for r in results]}")
+    return _rate(results)
+
+
+# --- Scenarios ----------------------------------------------------------------------
+
+
+def throughput(bench: Bench) -> None:
+    """1-3 and 8: claim + complete per second, raw SQL vs model layer vs HTTP."""
+    runs: dict[str, list[float]] = {"raw": [], "model": [], "http": [], "spread": []}
+    want_http = bool({"3", "8"} & bench.scenarios)
+    for _ in range(bench.sizes.runs):
+        # Interleaved, so a slow spell of the machine hits every kind alike.
+        runs["raw"].append(_throughput(bench, "raw"))
+        runs["model"].append(_throughput(bench, "model"))
+        if want_http:
+            runs["http"].append(_throughput(bench, "http_api"))
+            if "8" in bench.scenarios:
+                spread = _throughput(bench, "http_api", bench.sizes.hot_batches)
+                runs["spread"].append(spread)
+    raw = statistics.median(runs["raw"])
+    model = statistics.median(runs["model"])
+    bench.figures.update(raw=raw, model=model)
+    p = bench.p
+    bench.add("1", "raw-SQL limit", f"claim+complete/s, P={p}", f"{raw:.0f}/s")
+    bench.add(
+        "2",
+        "model layer",
+        f"claim+complete/s, P={p}",
+        f"{model:.0f}/s = {model / raw:.2f} x raw",
+        ">= 0.60 x raw",
+        model / raw >= 0.6,
+    )
+    if want_http:
+        one = statistics.median(runs["http"])
+        bench.figures["http"] = one
+        bench.add(
+            "3",
+            "HTTP API (gunicorn)",
+            f"claim+complete/s, P={p}",
+            f"{one:.0f}/s = {one / raw:.2f} x raw",
+            ">= 0.20 x raw",
+            one / raw >= 0.2,
+        )
+    if "8" in bench.scenarios:
+        spread = statistics.median(runs["spread"])
+        bench.add(
+            "8",
+            "hot rows",
+            f"HTTP 1 batch vs {bench.sizes.hot_batches} batches",
+            f"{one:.0f}/s vs {spread:.0f}/s = {one / spread:.2f}",
+            ">= 0.90",
+            one / spread >= 0.9,
+        )
+
+
+def peers(bench: Bench) -> None:
+    """4: no-op jobs per second of procrastinate and django-q2's ORM broker."""
+    from bench import peers as peer
+
+    model, raw = bench.figures.get("model"), bench.figures.get("raw")
+    for name, measure in (
+        ("procrastinate", peer.procrastinate_jobs_per_second),
+        ("django-q2 (ORM broker)", peer.django_q2_jobs_per_second),
+    ):
+        dsn = _create_database(bench.database_url, f"bench_{measure.__name__[:12]}")
+        # Stock: the defaults, what the targets compare with. Tuned: the best
+        # documented configuration (bench/peers.py says which and why).
+        for tuned in (False, True):
+            rates = [
+                measure(dsn, jobs=bench.sizes.peer_jobs, processes=bench.p, tuned=tuned)
+                for _ in range(bench.sizes.runs)
+            ]
+            rate = statistics.median(rates)
+            label = f"peer: {name}, {'tuned' if tuned else 'stock'}"
+            if not (model and raw):
+                bench.add("4", label, "no-op jobs/s", f"{rate:.0f}/s")
+                continue
+            bench.add(
+                "4",
+                label,
+                f"no-op jobs/s, P={bench.p}",
+                f"{rate:.0f}/s = {rate / raw:.2f} x raw; Recall {model / rate:.2f} x",
+                "" if tuned else "Recall ahead",
+                None if tuned else model > rate,
+            )
+
+
+def idle(bench: Bench) -> None:
+    """5: claims on an empty queue with a million finished jobs and live leases."""
+    from bench import loops, seed
+    from bench.loops import utcnow
+
+    seed.reset()
+    now = utcnow()
+    holder, _ = _workers(1)[0]
+    big = seed.batch(
+        "bench-million",
+        now=now - timedelta(minutes=5),
+        completed=bench.sizes.finished,
+        leased=bench.sizes.live_leases,
+        lease_expires_at=now + timedelta(hours=1),
+        worker=holder,
+    )
+    bench.figures["big_batch"] = big.pk
+    workers = _workers(bench.p)
+    latencies: list[float] = []
+    rates = []
+    for _ in range(bench.sizes.runs):
+        # The rate with P clients at once (the CPU saturated); the server time
+        # with one (P clients on 2 cores would measure their queueing).
+        for clients in (workers, workers[:1]):
+            results = loops.run(
+                "idle_claim",
+                [{"token": t} for _, t in clients],
+                duration=bench.sizes.idle_seconds,
+            )
+            statuses = {s for r in results for s in r["statuses"]}
+            if statuses != {204}:
+                raise RuntimeError(f"idle claims answered {statuses}, not only 204")
+            if len(clients) > 1:
+                rates.append(_rate(results))
+            else:
+                latencies.extend(results[0]["latencies"])
+    p50, p99 = _pct(latencies, 0.5), _pct(latencies, 0.99)
+    label = f"{bench.sizes.finished:,} done + {bench.sizes.live_leases:,} live leases"
+    bench.add(
+        "5",
+        "idle claims",
+        f"claims/s, P={bench.p} ({label})",
+        f"{statistics.median(rates):.0f}/s",
+    )
+    bench.add(
+        "5",
+        "idle claims",
+        "server time p50 / p99 (one client)",
+        f"{_ms(p50)} / {_ms(p99)}",
+        "<= 3 ms / <= 15 ms",
+        p50 <= 0.003 and p99 <= 0.015,
+    )
+
+
+def sweep(bench: Bench) -> None:
+    """6: reclaim the live leases once they have expired, with claims going on."""
+    from batches.models import Batch
+    from bench import loops, seed
+    from bench.loops import utcnow
+    from jobs.models import Job
+    from jobs.sweep import sweep as run_sweep
+
+    big = bench.figures.get("big_batch")
+    if big is None:
+        idle(bench)
+        big = bench.figures["big_batch"]
+    now = utcnow()
+    expired = seed.expire_leases(big, at=now - timedelta(seconds=1))
+    side = seed.batch(
+        "bench-side",
+        now=now - timedelta(seconds=1),
+        queued=max(5_000, bench.sizes.throughput_jobs // 2),
+        priority=10,
+    )
+    workers = _workers(bench.p)
+    claims: list[dict] = []
+    going = threading.Event()
+    thread = threading.Thread(
+        target=lambda: claims.extend(
+            loops.run(
+                "model",
+                [{"worker": w.pk, "latency": True} for w, _ in workers],
+                duration=max(3.0, bench.sizes.throughput_seconds / 2),
+                started=going,
+            )
+        )
+    )
+    thread.start()
+    going.wait(timeout=180)
+    time.sleep(0.3)  # the claimers are going
+    # The sweep runs in a thread of its own; reclaiming is its first step (and
+    # claims reclaim some too): the time is until no expired lease is left.
+    swept: dict[str, float] = {}
+
+    def sweep_once() -> None:
+        from django.db import connection
+
+        t0 = time.perf_counter()
+        run_sweep()
+        swept["all"] = time.perf_counter() - t0
+        connection.close()
+
+    started = time.perf_counter()
+    sweeper = threading.Thread(target=sweep_once)
+    sweeper.start()
+    while Job.objects.expired(utcnow()).exists():
+        time.sleep(0.005)
+    took = time.perf_counter() - started
+    sweeper.join()
+    thread.join()
+    Batch.objects.filter(pk=side.pk).update(paused_at=utcnow())
+    waits = [x for r in claims for x in r["latencies"]]
+    bench.add(
+        "6",
+        "sweep",
+        f"reclaim {expired:,} expired leases (P={bench.p} claiming)",
+        f"{took:.2f} s",
+        "<= 2 s",
+        took <= 2.0,
+    )
+    bench.add(
+        "6",
+        "sweep",
+        "the whole sweep (reclaim, reconcile scan, settle)",
+        f"{swept['all']:.2f} s",
+    )
+    bench.add(
+        "6",
+        "sweep",
+        "longest claim meanwhile (p99)",
+        f"{_ms(max(waits))} ({_ms(_pct(waits, 0.99))})",
+        "<= 200 ms",
+        max(waits) <= 0.2,
+    )
+
+
+def progress(bench: Bench) -> None:
+    """7: progress.json and the batch page of the million-item batch, live."""
+    from django.contrib.auth import get_user_model
+    from django.db.models import Count
+    from django.test import Client
+
+    from batches.models import Batch, BatchItem
+    from bench import loops
+
+    big = bench.figures.get("big_batch")
+    if big is None or "6" not in bench.scenarios:
+        sweep(bench)  # leaves the batch with its expired leases queued again
+        big = bench.figures["big_batch"]
+    User = get_user_model()
+    user = User.objects.filter(username="bench").first() or User.objects.create_user(
+        "bench", is_staff=True, is_superuser=True
+    )
+    client = Client(HTTP_HOST="127.0.0.1")
+    client.force_login(user)
+    workers = _workers(bench.p)
+    done_before = Batch.objects.get(pk=big).counts()["done"]
+    going = threading.Event()
+    thread = threading.Thread(
+        target=loops.run,
+        args=("model", [{"worker": w.pk} for w, _ in workers]),
+        kwargs={
+            "duration": max(3.0, bench.sizes.throughput_seconds),
+            "started": going,
+        },
+    )
+    thread.start()
+    going.wait(timeout=180)
+    time.sleep(0.3)
+    timings: dict[str, list[float]] = {"json": [], "page": []}
+    for _ in range(bench.sizes.page_requests):
+        for key, path in (
+            ("json", f"/batches/{big}/progress.json"),
+            ("page", f"/batches/{big}/"),
+        ):
+            t0 = time.perf_counter()
+            response = client.get(path)
+            timings[key].append(time.perf_counter() - t0)
+            if response.status_code != 200:
+                raise RuntimeError(f"GET {path} answered {response.status_code}")
+    during = Batch.objects.get(pk=big).counts()["done"] - done_before
+    thread.join()
+    shown = client.get(f"/batches/{big}/progress.json").json()
+    fresh = {
+        row["status"]: row["n"]
+        for row in BatchItem.objects.filter(batch_id=big)
+        .values("status")
+        .annotate(n=Count("id"))
+        .order_by()
+    }
+    exact = all(shown["counts"][s] == fresh.get(s, 0) for s in shown["counts"])
+    label = f"{shown['total']:,} items, {during:,} finished meanwhile"
+    for key, name, limit in (
+        ("json", "progress.json", 0.1),
+        ("page", "batch page", 0.3),
+    ):
+        median = statistics.median(timings[key])
+        bench.add(
+            "7",
+            "progress",
+            f"{name} median (max), {label}",
+            f"{_ms(median)} ({_ms(max(timings[key]))})",
+            f"<= {limit * 1000:.0f} ms",
+            median <= limit,
+        )
+    bench.add(
+        "7",
+        "progress",
+        "counts equal a fresh recount once quiet",
+        "yes" if exact else "NO",
+        "exact",
+        exact,
+    )
+
+
+def _measure_child(
+    command: list[str], env: dict | None = None
+) -> tuple[float, float, str]:
+    """Run a command; return its wall time, peak RSS (MB) and output."""
+    started = time.perf_counter()
+    with tempfile.TemporaryFile() as out:
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+        took = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    if process.returncode != 0:
+        raise RuntimeError(f"{command} failed:\n{text}")
+    return took, usage.ru_maxrss / 1024, text
+
+
+def intake_export(bench: Bench) -> None:
+    """9: create_batch of a large manifest; CSV export of the million-item batch."""
+    n = bench.sizes.intake_items
+    with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as manifest:
+        manifest.write("source,duration_seconds,language\n")
+        for i in range(n):
+            manifest.write(f"s3://bench/audio/{i:07d}.flac,{30 + i % 600},en\n")
+    try:
+        took, rss, _ = _measure_child(
+            [sys.executable, "manage.py", "create_batch", "bench-intake", manifest.name]
+        )
+    finally:
+        os.unlink(manifest.name)
+    bench.add(
+        "9",
+        "intake",
+        f"create_batch of {n:,} items (peak RSS {rss:.0f} MB)",
+        f"{took:.1f} s",
+        "<= 10 s",
+        took <= 10,
+    )
+    big = bench.figures.get("big_batch")
+    if big is None:
+        idle(bench)
+        big = bench.figures["big_batch"]
+    took, rss, text = _measure_child(
+        [sys.executable, "-m", "bench.export_child", str(big), "csv"]
+    )
+    rows = int(text.split()[-1])
+    bench.add(
+        "9",
+        "export",
+        f"CSV of {rows:,} items ({took:.1f} s)",
+        f"peak RSS {rss:.0f} MB",
+        "<= 200 MB",
+        rss <= 200,
+    )
+
+
+def sustained(bench: Bench) -> None:
+    """10: throughput after sustained load vs its first minute (bloat in check)."""
+    from django.db import connection
+
+    from bench import loops
+
+    rate = bench.figures.get("model") or 1000
+    seconds, bucket = bench.sizes.sustain_seconds, bench.sizes.sustain_bucket
+    jobs = int(max(2_000, rate * seconds * 1.5))
+    workers = _workers(bench.p)
+    _queue(bench, jobs)
+    results = loops.run(
+        "model",
+        [{"worker": w.pk, "bucket": bucket} for w, _ in workers],
+        duration=seconds,
+    )
+    buckets = [0] * max(len(r["buckets"]) for r in results)
+    for r in results:
+        for i, n in enumerate(r["buckets"]):
+            buckets[i] += n
+    full = buckets[: int(seconds // bucket)]  # whole buckets only
+    if len(full) < 2 or not full[0]:
+        raise RuntimeError(f"sustained run too short or empty: {buckets}")
+    ratio = full[-1] / full[0]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT n_dead_tup, n_live_tup, autovacuum_count FROM pg_stat_user_tables "
+            "WHERE relname = 'jobs_job'"
+        )
+        dead, live, autovacuums = cursor.fetchone()
+    bench.add(
+        "10",
+        "sustained load",
+        f"last vs first {bucket:.0f} s of {seconds:.0f} s (model layer, P={bench.p})",
+        f"{full[-1] / bucket:.0f}/s vs {full[0] / bucket:.0f}/s = {ratio:.2f}",
+        ">= 0.80",
+        ratio >= 0.8,
+    )
+    bench.add(
+        "10",
+        "sustained load",
+        "jobs table at the end",
+        f"{live:,} live, {dead:,} dead tuples, autovacuumed {autovacuums} times",
+    )
+
+
+SCENARIOS = {
+    "1": throughput,
+    "4": peers,
+    "5": idle,
+    "6": sweep,
+    "7": progress,
+    "9": intake_export,
+    "10": sustained,
+}
+# 2, 3 and 8 are measured with 1, interleaved with it.
+ALIASES = {"2": "1", "3": "1", "8": "1"}
+
+
+def print_table(bench: Bench) -> None:
+    header = Row("#", "scenario", "figure", "value", "target", "")
+    rows = [header, *bench.rows]
+    widths = [max(len(getattr(r, f)) for r in rows) for f in Row.__dataclass_fields__]
+    print()
+    for i, row in enumerate(rows):
+        cells = [getattr(row, f) for f in Row.__dataclass_fields__]
+        print(
+            "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+        )
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", "-P", type=int, default=8)
+    parser.add_argument("--runs", type=int, help="runs per figure (median)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes: checks the harness runs"
+    )
+    parser.add_argument(
+        "--only", help="comma-separated scenario numbers (default: all)", default=""
+    )
+    parser.add_argument("--sustain-minutes", type=float)
+    parser.add_argument(
+        "--database-url", help="measure this PostgreSQL (default: a private server)"
+    )
+    args = parser.parse_args(argv)
+    sizes = Sizes.quick(args.processes) if args.quick else Sizes(args.processes)
+    if args.runs:
+        sizes.runs = args.runs
+    if args.sustain_minutes is not None:
+        sizes.sustain_seconds = args.sustain_minutes * 60
+    wanted = {n.strip() for n in args.only.split(",") if n.strip()} or set(SCENARIOS)
+    unknown = wanted - set(SCENARIOS) - set(ALIASES)
+    if unknown:
+        parser.error(f"no scenario {', '.join(sorted(unknown))}")
+    if wanted & set(ALIASES):
+        wanted |= {"1"}
+    if "1" in wanted and not args.only:
+        wanted |= {"2", "3", "8"}
+
+    os.chdir(ROOT)
+    started = time.monotonic()
+    database_url, server = _start_database(args)
+    try:
+        _setup_django(database_url)
+        bench = Bench(sizes, database_url, wanted)
+        if {"3", "8"} & wanted:
+            _start_gunicorn(bench)
+        try:
+            for number, scenario in SCENARIOS.items():
+                if number in wanted:
+                    print(f"== {scenario.__doc__.splitlines()[0]}", flush=True)
+                    scenario(bench)
+        finally:
+            _stop_gunicorn(bench)
+        print_table(bench)
+        print(
+            f"\nP={sizes.processes}, {sizes.runs} run(s) per figure, "
+            f"{time.monotonic() - started:.0f} s in all."
+        )
+    finally:
+        if server is not None:
+            from django.db import connections
+
+            connections.close_all()
+            server.destroy()
+    return 0

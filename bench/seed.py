@@ -1,0 +1,170 @@
+"""Fill the tables fast for a benchmark, in states the invariants allow.
+
+Benchmarks need a million finished jobs or ten thousand live leases in seconds,
+not the hours real traffic takes, so this writes the rows with set-based SQL
+(``generate_series``) instead of through the transitions. Every row it writes
+agrees with the others exactly as the transitions would leave them: each item
+has the status mapped from its job's, each leased job one open ledger row, each
+completed job one ledger row ended ``completed``, and the counters are a fresh
+recount. ``recall_check`` passes on a seeded database (the smoke test checks).
+PostgreSQL only.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.db import connection, transaction
+
+from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
+from jobs.models import Event, Job, Lease, Worker
+
+ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weighted
+
+
+def reset() -> None:
+    """Empty every batch, item, job, ledger and event row (workers stay)."""
+    tables = [
+        m._meta.db_table for m in (Event, Lease, Job, BatchMinute, BatchCounter)
+    ] + [BatchItem._meta.db_table, Batch._meta.db_table]
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {', '.join(tables)}")
+
+
+def workers(n: int, prefix: str = "bench") -> list[tuple[Worker, str]]:
+    """``n`` fresh workers with their tokens (earlier ones of the same name go)."""
+    found = []
+    for i in range(n):
+        name = f"{prefix}-{i}"
+        existing = Worker.objects.filter(name=name).first()
+        if existing is not None:
+            found.append((existing, existing.rotate_token()))
+        else:
+            found.append(Worker.objects.create_with_token(name))
+    return found
+
+
+def batch(
+    name: str,
+    *,
+    now: datetime,
+    queued: int = 0,
+    completed: int = 0,
+    leased: int = 0,
+    lease_expires_at: datetime | None = None,
+    worker: Worker | None = None,
+    priority: int = 0,
+    max_attempts: int = 3,
+) -> Batch:
+    """One batch with ``completed`` done items, then ``leased`` in flight (held by
+    ``worker`` until ``lease_expires_at``), then ``queued`` waiting."""
+    total = queued + completed + leased
+    if leased and (worker is None or lease_expires_at is None):
+        raise ValueError("leased items need a worker and a lease expiry")
+    expires = lease_expires_at or now
+    with transaction.atomic(), connection.cursor() as cursor:
+        b = Batch.objects.create(
+            name=name,
+            priority=priority,
+            created_at=now - timedelta(hours=1),
+            total=total,
+            total_ms=total * ITEM_MS,
+            durations_known=total > 0,
+        )
+        cursor.execute(
+            f"""
+            INSERT INTO {BatchItem._meta.db_table}
+                (batch_id, source, params, duration_ms, status, created_at, updated_at)
+            SELECT %(batch)s, 'bench/' || %(batch)s || '/' || n || '.wav', '{{}}',
+                   %(ms)s,
+                   CASE WHEN n <= %(done)s THEN 'done'
+                        WHEN n <= %(done)s + %(leased)s THEN 'transcribing'
+                        ELSE 'queued' END,
+                   %(now)s, %(now)s
+            FROM generate_series(1, %(total)s) AS n
+            """,
+            {
+                "batch": b.pk,
+                "ms": ITEM_MS,
+                "done": completed,
+                "leased": leased,
+                "total": total,
+                "now": now,
+            },
+        )
+        cursor.execute(
+            f"""
+            INSERT INTO {Job._meta.db_table}
+                (item_id, batch_id, status, attempts, max_attempts, lease_token,
+                 leased_by_id, lease_expires_at, heartbeat_at, available_at, result,
+                 last_error, created_at, updated_at, finished_at)
+            SELECT i.id, i.batch_id,
+                   CASE i.status WHEN 'done' THEN 'completed'
+                                 WHEN 'transcribing' THEN 'leased' ELSE 'queued' END,
+                   CASE i.status WHEN 'queued' THEN 0 ELSE 1 END,
+                   %(max_attempts)s,
+                   CASE i.status WHEN 'transcribing' THEN 'bench-' || i.id END,
+                   CASE i.status WHEN 'transcribing' THEN %(worker)s::bigint END,
+                   CASE i.status WHEN 'transcribing' THEN %(expires)s END,
+                   CASE i.status WHEN 'transcribing' THEN %(now)s END,
+                   %(now)s,
+                   CASE i.status WHEN 'done'
+                        THEN '{{"text": "seeded by the benchmark"}}'::jsonb END,
+                   '', %(now)s, %(now)s,
+                   CASE i.status WHEN 'done' THEN %(now)s END
+            FROM {BatchItem._meta.db_table} i WHERE i.batch_id = %(batch)s
+            """,
+            {
+                "batch": b.pk,
+                "max_attempts": max_attempts,
+                "worker": worker.pk if worker else None,
+                "expires": expires,
+                "now": now,
+            },
+        )
+        cursor.execute(
+            f"""
+            INSERT INTO {Lease._meta.db_table}
+                (job_id, worker_id, token, attempt, claimed_at, heartbeat_at,
+                 expires_at, ended_at, end_reason, error)
+            SELECT j.id, %(worker)s, COALESCE(j.lease_token, 'bench-done-' || j.id), 1,
+                   %(now)s, %(now)s, COALESCE(j.lease_expires_at, %(now)s),
+                   CASE j.status WHEN 'completed' THEN %(now)s END,
+                   CASE j.status WHEN 'completed' THEN 'completed' END, ''
+            FROM {Job._meta.db_table} j
+            WHERE j.batch_id = %(batch)s AND j.status IN ('completed', 'leased')
+            """,
+            {"batch": b.pk, "worker": (worker or _seed_worker()).pk, "now": now},
+        )
+    BatchCounter.objects.recount(b.pk)
+    if not (queued or leased):
+        Batch.objects.filter(pk=b.pk).update(finished_at=now)
+    with connection.cursor() as cursor:
+        for model in (BatchItem, Job, Lease):
+            cursor.execute(f"ANALYZE {model._meta.db_table}")
+    return b
+
+
+def expire_leases(batch_id: int, *, at: datetime) -> int:
+    """Make every live lease of the batch expire at ``at`` (a worker that died)."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {Job._meta.db_table} SET lease_expires_at = %s "
+            f"WHERE batch_id = %s AND status = 'leased'",
+            [at, batch_id],
+        )
+        expired = cursor.rowcount
+        cursor.execute(
+            f"UPDATE {Lease._meta.db_table} l SET expires_at = %s "
+            f"FROM {Job._meta.db_table} j "
+            f"WHERE l.job_id = j.id AND j.batch_id = %s AND l.ended_at IS NULL",
+            [at, batch_id],
+        )
+    return expired
+
+
+def _seed_worker() -> Worker:
+    worker = Worker.objects.filter(name="bench-seed").first()
+    if worker is None:
+        worker, _ = Worker.objects.create_with_token("bench-seed")
+    return worker
