@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -704,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted |= {"2", "3", "8"}
 
     os.chdir(ROOT)
+    # A SIGTERM unwinds like an error: gunicorn and the private server stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     database_url, server = _start_database(args)
     try:

@@ -275,8 +275,19 @@ class JobQuerySet(models.QuerySet):
         if postgres:
             from . import pgsql
 
-            # The chores and the candidates in one probe (each chore probes
-            # again itself; on SQLite that is all they do).
+            # Most claims: nothing to do first, and the first batch with work has
+            # a job free, or no batch has work. One statement (atomic by
+            # itself), or nothing written.
+            job, written = pgsql.claim_first(
+                worker,
+                token=new_lease_token(),
+                now=now,
+                cancelled_before=now - CANCEL_GRACE,
+            )
+            if written:
+                return job
+            # The long way: the chores and the candidates in one probe (each
+            # chore probes again itself; on SQLite that is all they do).
             plan = (now, now - CANCEL_GRACE, CLAIM_BATCH_CANDIDATES)
             expired, cancelling, candidates = pgsql.claim_plan(*plan)
         else:

@@ -58,33 +58,39 @@ WORKERS_WITH_PREFIX = f"""
 # produce it. Ordered by id, PostgreSQL may walk the primary key instead, past
 # every finished job of the table, when its statistics say most jobs are queued
 # (as they do after a big intake): a claim then costs as much as a table scan.
-CLAIM_PLAN = """
-    SELECT
-        EXISTS (SELECT 1 FROM jobs_job
-                WHERE status = 'leased' AND lease_expires_at < %(now)s),
-        EXISTS (SELECT 1 FROM batches_batch
-                WHERE cancelled_at IS NOT NULL AND finished_at IS NULL
-                  AND cancelled_at < %(cancelled_before)s),
+CHORES = """EXISTS (
+    SELECT 1 FROM jobs_job WHERE status = 'leased' AND lease_expires_at < %(now)s
+)"""
+CANCELLING = """EXISTS (
+    SELECT 1 FROM batches_batch
+    WHERE cancelled_at IS NOT NULL AND finished_at IS NULL
+      AND cancelled_at < %(cancelled_before)s
+)"""
+CLAIMABLE_IN_B = """
+    SELECT 1 FROM jobs_job j
+    WHERE j.batch_id = b.id AND j.status = 'queued'
+      AND j.available_at <= %(now)s AND j.attempts < j.max_attempts
+    ORDER BY j.created_at, j.id LIMIT 1
+"""
+CLAIM_PLAN = f"""
+    SELECT {CHORES}, {CANCELLING},
         ARRAY(
             SELECT b.id FROM batches_batch b
-            CROSS JOIN LATERAL (
-                SELECT 1 FROM jobs_job j
-                WHERE j.batch_id = b.id AND j.status = 'queued'
-                  AND j.available_at <= %(now)s AND j.attempts < j.max_attempts
-                ORDER BY j.created_at, j.id LIMIT 1
-            ) AS claimable
+            CROSS JOIN LATERAL ({CLAIMABLE_IN_B}) AS claimable
             WHERE b.paused_at IS NULL AND b.cancelled_at IS NULL
               AND b.finished_at IS NULL
             ORDER BY b.priority DESC, b.id LIMIT %(limit)s
         )
 """
 
+
 # queued -> leased for the batch's oldest claimable job (SKIP LOCKED), if its
 # item agrees and no ledger row of an earlier lease was left open. Returns the
 # job's and item's columns as they were, the batch's name (what the caller and
 # the claim response need), and whether such a stray ledger row exists.
-CLAIM = f"""
-    WITH pick AS (
+def _claim_sql(*, prelude: str = "", batch: str, result: str) -> str:
+    return f"""
+    WITH {prelude} pick AS (
         SELECT {", ".join(f"j.{c} AS j_{c}" for c in JOB_COLUMNS)},
                {", ".join(f"i.{c} AS i_{c}" for c in ITEM_COLUMNS)},
                b.name AS batch_name,
@@ -93,7 +99,7 @@ CLAIM = f"""
         FROM jobs_job j
         JOIN batches_batchitem i ON i.id = j.item_id
         JOIN batches_batch b ON b.id = j.batch_id
-        WHERE j.batch_id = %(batch)s AND j.status = 'queued'
+        WHERE j.batch_id = {batch} AND j.status = 'queued'
           AND j.available_at <= %(now)s AND j.attempts < j.max_attempts
           AND b.paused_at IS NULL AND b.cancelled_at IS NULL
         ORDER BY j.created_at, j.id LIMIT 1
@@ -125,8 +131,33 @@ CLAIM = f"""
                %(expires)s, ''
         FROM job
     )
-    SELECT * FROM pick
+    {result}
 """
+
+
+CLAIM = _claim_sql(batch="%(batch)s", result="SELECT * FROM pick")
+
+# The common case in one statement: nothing to do first, and the first open
+# batch with a claimable job (by priority) has one no other claim holds. Returns
+# the chores' flags, and the job as CLAIM does if there was one (else NULLs):
+# when there is none, the caller takes the long way (CLAIM_PLAN, then CLAIM per
+# candidate batch), which also covers chores and taken or drifted rows.
+CLAIM_FIRST = _claim_sql(
+    prelude=f"""
+    chores AS (
+        SELECT {CHORES} AS expired, {CANCELLING} AS cancelling
+    ), first AS (
+        SELECT b.id FROM batches_batch b
+        CROSS JOIN LATERAL ({CLAIMABLE_IN_B}) AS claimable
+        WHERE b.paused_at IS NULL AND b.cancelled_at IS NULL
+          AND b.finished_at IS NULL
+          AND NOT (SELECT expired OR cancelling FROM chores)
+        ORDER BY b.priority DESC, b.id LIMIT 1
+    ),""",
+    batch="(SELECT id FROM first)",
+    result="SELECT chores.*, (SELECT id FROM first), pick.* "
+    "FROM chores LEFT JOIN pick ON true",
+)
 
 # leased -> completed under this lease, if the item and the ledger row agree.
 # The counter shard is updated before the minute row (the minute insert reads
@@ -299,6 +330,35 @@ def claim_plan(
         return cursor.fetchone()
 
 
+def claim_first(
+    worker: Worker, *, token: str, now: datetime, cancelled_before: datetime
+) -> tuple[Job | None, bool]:
+    """The common case of a claim in one statement (``CLAIM_FIRST``).
+
+    Returns (job, written) as ``claim`` does; (None, True) when there is
+    nothing to do first and no batch has a claimable job (an idle claim: one
+    statement too); (None, False) when there are chores to do first, or no free
+    job in the first batch with work: the caller takes the long way.
+    """
+    expires = now + lease_duration()
+    with _cursor() as cursor:
+        _execute(
+            cursor,
+            CLAIM_FIRST,
+            {
+                "worker": worker.pk,
+                "token": token,
+                "expires": expires,
+                "now": now,
+                "cancelled_before": cancelled_before,
+            },
+        )
+        expired, cancelling, first_batch, *picked = cursor.fetchone()
+    if picked[0] is None:  # no job row joined
+        return None, not (expired or cancelling or first_batch)
+    return _leased(picked, worker, token=token, expires=expires, now=now)
+
+
 def claim(
     batch_id: int, worker: Worker, *, token: str, now: datetime
 ) -> tuple[Job | None, bool]:
@@ -324,6 +384,13 @@ def claim(
         row = cursor.fetchone()
     if row is None:
         return None, True
+    return _leased(row, worker, token=token, expires=expires, now=now)
+
+
+def _leased(
+    row, worker: Worker, *, token: str, expires: datetime, now: datetime
+) -> tuple[Job, bool]:
+    """The job a claim statement picked, as the claim left it (if ``True``)."""
     n = len(JOB_COLUMNS)
     job = _from_db(Job, row[:n])
     job.item = item = _from_db(BatchItem, row[n : n + len(ITEM_COLUMNS)])
