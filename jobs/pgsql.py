@@ -1,4 +1,4 @@
-"""The worker API's hot path in PostgreSQL SQL: claim, complete, and worker auth.
+"""The hot path in PostgreSQL SQL: claim, complete, reclaim chunk, worker auth.
 
 A worker's claim and complete run thousands of times a minute. Through the ORM
 a claim plus a complete is about fifteen statements, each built in Python and
@@ -8,7 +8,8 @@ connection: it locks the rows, checks that they agree with each other, and only
 then writes them all together (job, item, counter shard, ledger row, and on
 completion the throughput minute), exactly what ``Job._start_lease`` and
 ``Job._move`` write. A claim also looks at what to do first (expired leases,
-an unfinished cancel) and where to look for work in one probe.
+an unfinished cancel) and where to look for work in the same statement; a
+reclaim chunk does for up to 500 expired leases what ``_move`` does for them.
 
 A single statement is atomic by itself, so these run without a transaction
 block of their own (no BEGIN and COMMIT round trips), or inside the caller's.
