@@ -29,7 +29,7 @@ from datetime import datetime
 
 import psycopg
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 
 from batches.models import COUNTER_SHARDS, Batch, BatchItem, ItemStatus
 
@@ -342,19 +342,19 @@ def claim_first(
     job in the first batch with work: the caller takes the long way.
     """
     expires = now + lease_duration()
-    with _cursor() as cursor:
-        _execute(
-            cursor,
-            CLAIM_FIRST,
-            {
-                "worker": worker.pk,
-                "token": token,
-                "expires": expires,
-                "now": now,
-                "cancelled_before": cancelled_before,
-            },
-        )
-        expired, cancelling, first_batch, *picked = cursor.fetchone()
+    row = _claim_row(
+        CLAIM_FIRST,
+        {
+            "worker": worker.pk,
+            "token": token,
+            "expires": expires,
+            "now": now,
+            "cancelled_before": cancelled_before,
+        },
+    )
+    if row is RACED:
+        return None, False
+    expired, cancelling, first_batch, *picked = row
     if picked[0] is None:  # no job row joined
         return None, not (expired or cancelling or first_batch)
     return _leased(picked, worker, token=token, expires=expires, now=now)
@@ -367,25 +367,41 @@ def claim(
 
     Returns (None, True) if there is none; (job, True) when it is leased, with
     ``job.item`` and ``job.batch`` loaded; (job, False) when its item has
-    drifted or a stray ledger row is open: nothing is written.
+    drifted or a stray ledger row is open, (None, False) if it raced one (see
+    ``_claim_row``): nothing is written.
     """
     expires = now + lease_duration()
-    with _cursor() as cursor:
-        _execute(
-            cursor,
-            CLAIM,
-            {
-                "batch": batch_id,
-                "worker": worker.pk,
-                "token": token,
-                "expires": expires,
-                "now": now,
-            },
-        )
-        row = cursor.fetchone()
+    row = _claim_row(
+        CLAIM,
+        {
+            "batch": batch_id,
+            "worker": worker.pk,
+            "token": token,
+            "expires": expires,
+            "now": now,
+        },
+    )
+    if row is RACED:
+        return None, False
     if row is None:
         return None, True
     return _leased(row, worker, token=token, expires=expires, now=now)
+
+
+RACED = object()
+
+
+def _claim_row(sql: str, params: dict):
+    """Run a claim statement and return its row, or RACED if its lease insert
+    met an open ledger row committed after the statement's snapshot (one open
+    row per job): nothing was written, and the ORM path, which closes such a
+    row, runs instead."""
+    with _cursor() as cursor:
+        try:
+            _execute(cursor, sql, params)
+        except IntegrityError:
+            return RACED
+        return cursor.fetchone()
 
 
 def _leased(
