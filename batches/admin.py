@@ -18,15 +18,15 @@ from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.text import Truncator
 
-from jobs.admin_support import (
+from jobs.models import Event, Job
+
+from .admin_support import (
     BatchFilter,
     BigTableAdmin,
     changelist_link,
     id_search,
     link_to_id,
 )
-from jobs.models import Event, Job
-
 from .models import Batch, BatchCounter, BatchItem, ItemStatus
 
 PROGRESS = tuple(ItemStatus.values)  # queued, transcribing, done, failed, cancelled

@@ -6,36 +6,32 @@ In CSV, an optional ``duration_seconds`` column is kept for the ETA and every
 other column goes into the item's ``params``.
 
 Nothing is created unless the whole manifest is valid: the file is read twice,
-once to collect every error (with its line number) and once, inside a single
-transaction, to insert the batch, its items, their jobs and the counters.
+once to collect every error (with its line number) and once, inside the intake
+transition (``jobs.transitions.create_batch``: one transaction), to insert the
+batch, its items, their jobs and the counters.
 """
 
 from __future__ import annotations
 
 import codecs
 import csv
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain
 
 from django.conf import settings
-from django.db import connection, transaction
-from django.db.models import Count, F, Sum
-from django.db.models.functions import Coalesce
-from django.utils import timezone
 
-from jobs.models import Job, JobStatus
+from jobs import transitions
+from jobs.transitions import ItemRow
 
-from .models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem, ItemStatus
+from .models import Batch
 
 MAX_SOURCE_CHARS = 4096
 MAX_PARAM_CHARS = 10_000
 MAX_NAME_CHARS = 200
 MAX_DURATION_SECONDS = 10_000_000  # about 115 days: anything longer is a typo
 MAX_REPORTED_ERRORS = 100
-INSERT_CHUNK = 2_000
 
 
 @dataclass(frozen=True)
@@ -292,95 +288,24 @@ def create_batch(
     transaction: a batch is never visible half-created.
     """
     name = check_name(name)
-    now = now or timezone.now()
     items, errors, total_errors = validate_manifest(open_manifest())
     if errors:
         raise ManifestInvalid(errors, total_errors, items)
-    with transaction.atomic():
-        batch = Batch.objects.create(
-            name=name, priority=priority, created_by=created_by, created_at=now
-        )
-        _insert_items(batch, parse_manifest(open_manifest()), now=now)
-        _insert_jobs(batch, now=now)
-        shards = {
-            row["shard"]: row
-            for row in BatchItem.objects.filter(batch=batch)
-            .annotate(shard=F("id") % COUNTER_SHARDS)
-            .values("shard")
-            .annotate(
-                n=Count("id"),
-                ms=Coalesce(Sum("duration_ms"), 0),
-                timed=Count("duration_ms"),
-            )
-            .order_by()
-        }
-        BatchCounter.objects.bulk_create(
-            BatchCounter(
-                batch=batch,
-                shard=shard,
-                queued=shards.get(shard, {}).get("n", 0),
-                queued_ms=shards.get(shard, {}).get("ms", 0),
-            )
-            for shard in range(COUNTER_SHARDS)
-        )
-        batch.total = sum(row["n"] for row in shards.values())
-        batch.total_ms = sum(row["ms"] for row in shards.values())
-        batch.durations_known = batch.total > 0 and batch.total == sum(
-            row["timed"] for row in shards.values()
-        )
-        batch.save(update_fields=["total", "total_ms", "durations_known"])
-    return batch
+    return transitions.create_batch(
+        name=name,
+        items=_item_rows(parse_manifest(open_manifest())),
+        priority=priority,
+        created_by=created_by,
+        now=now,
+    )
 
 
-def _insert_items(batch: Batch, entries: Iterable[Entry | LineError], *, now) -> None:
-    """Insert the items with the driver's fastest bulk path (COPY on PostgreSQL).
-
-    The ORM's bulk_create builds a model instance per row: most of the time of
-    a 100,000-item intake went there.
-    """
-    table = BatchItem._meta.db_table
-    columns = "batch_id, source, params, duration_ms, status, created_at, updated_at"
-    at = connection.ops.adapt_datetimefield_value(now)
-
-    def rows() -> Iterator[tuple]:
-        for entry in entries:
-            if isinstance(entry, LineError):  # the file changed since validation
-                raise ManifestInvalid([entry])
-            params = json.dumps(entry.params, ensure_ascii=False)
-            yield (
-                batch.pk,
-                entry.source,
-                params,
-                entry.duration_ms,
-                ItemStatus.QUEUED,
-                at,
-                at,
-            )
-
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            with cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
-                for row in rows():
-                    copy.write_row(row)
-        else:
-            placeholders = ", ".join(["%s"] * 7)
-            sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
-            iterator = rows()
-            while chunk := list(islice(iterator, INSERT_CHUNK)):
-                cursor.executemany(sql, chunk)
-
-
-def _insert_jobs(batch: Batch, *, now) -> None:
-    """One job per item of the batch, in a single INSERT ... SELECT."""
-    at = connection.ops.adapt_datetimefield_value(now)
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {Job._meta.db_table} (item_id, batch_id, status, attempts, "
-            f"max_attempts, available_at, last_error, created_at, updated_at) "
-            f"SELECT id, batch_id, %s, 0, %s, %s, '', %s, %s "
-            f"FROM {BatchItem._meta.db_table} WHERE batch_id = %s",
-            [JobStatus.QUEUED, settings.RECALL_MAX_ATTEMPTS, at, at, at, batch.pk],
-        )
+def _item_rows(entries: Iterable[Entry | LineError]) -> Iterator[ItemRow]:
+    """The validated manifest's items as the intake transition takes them."""
+    for entry in entries:
+        if isinstance(entry, LineError):  # the file changed since validation
+            raise ManifestInvalid([entry])
+        yield entry.source, entry.params, entry.duration_ms
 
 
 def file_lines(path: str) -> Callable[[], Iterator[bytes]]:

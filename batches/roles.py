@@ -6,12 +6,19 @@
   the admin site.
 
 ``ensure_groups`` creates or completes the groups; the migration that sets
-them up and the tests both call it.
+them up and the tests both call it. ``viewer_required`` guards every operator
+page (batches', workers', and any other app's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
 from django.apps import apps as global_apps
+from django.contrib.auth.decorators import login_required, permission_required
+from django.http import HttpRequest, HttpResponse
 
 VIEW = [
     ("batches", "view_batch"),
@@ -48,3 +55,17 @@ def ensure_groups(apps=global_apps) -> None:
                     content_type__app_label=app_label, codename=codename
                 )
             )
+
+
+def viewer_required(
+    view: Callable[..., HttpResponse],
+) -> Callable[..., HttpResponse]:
+    """Logged in (else to the login page) and allowed to view batches (else 403)."""
+
+    @login_required
+    @permission_required("batches.view_batch", raise_exception=True)
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        return view(request, *args, **kwargs)
+
+    return wrapper

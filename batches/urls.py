@@ -1,7 +1,5 @@
 from django.urls import path
 
-from jobs.views import worker_list
-
 from . import views
 
 urlpatterns = [
@@ -20,5 +18,4 @@ urlpatterns = [
     path("batches/<int:pk>/retry", views.batch_retry, name="batch-retry"),
     path("batches/<int:pk>/export.<str:fmt>", views.batch_export, name="batch-export"),
     path("items/<int:pk>/", views.item_detail, name="item-detail"),
-    path("workers/", worker_list, name="worker-list"),
 ]

@@ -1,7 +1,7 @@
 """Operator pages: batches, batch detail, items, intake, actions and exports.
 
-Thin views: check the permission, parse the input, call one model method,
-render. Every page needs a login and ``batches.view_batch``; actions are POST
+Thin views: check the permission, parse the input, call one transition (or
+read), render. Every page needs a login and ``batches.view_batch``; actions are POST
 with CSRF and their own permission. The live regions of a page are rendered by
 the same templates as the page, so the page works without JavaScript and the
 refreshing script only swaps fragments.
@@ -19,7 +19,6 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.exceptions import RequestDataTooBig
 from django.core.paginator import Paginator
-from django.db import transaction
 from django.db.models import Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.http import (
@@ -32,17 +31,18 @@ from django.http import (
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
-from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
-from jobs.models import Event, Job, JobStatus
+from jobs import transitions
+from jobs.models import Job, JobStatus
 
 from . import exports
 from .forms import ItemFilterForm, NewBatchForm
 from .intake import ManifestInvalid, create_batch
 from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from .progress import BatchState, format_duration, progress_for, progress_for_many
+from .roles import viewer_required
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
@@ -51,18 +51,6 @@ STOP_POLLING = 286
 # A request starts no new chunk of a bulk action after this long (gunicorn's
 # timeout is 60 s); reconciliation finishes a cancel that was cut short.
 ACTION_SECONDS = 20
-
-
-def viewer_required(view):
-    """Logged in (else to the login page) and allowed to view batches (else 403)."""
-
-    @login_required
-    @permission_required("batches.view_batch", raise_exception=True)
-    @wraps(view)
-    def wrapper(request, *args, **kwargs):
-        return view(request, *args, **kwargs)
-
-    return wrapper
 
 
 def fragment(response: HttpResponse, *, final: bool) -> HttpResponse:
@@ -79,7 +67,7 @@ def fragment(response: HttpResponse, *, final: bool) -> HttpResponse:
 
 def _batches(request: HttpRequest):
     """The filtered batches (state, name search), newest first."""
-    now = timezone.now()
+    now = transitions.now()
     counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
     leased = Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
     batches = Batch.objects.annotate(
@@ -137,7 +125,7 @@ def _batches(request: HttpRequest):
 def _list_context(request: HttpRequest) -> dict:
     batches, q, state = _batches(request)
     page = Paginator(batches, BATCHES_PER_PAGE).get_page(request.GET.get("page"))
-    progress = progress_for_many(list(page), now=timezone.now())
+    progress = progress_for_many(list(page), now=transitions.now())
     rows = [progress[b.pk] for b in page]
     return {
         "page": page,
@@ -224,7 +212,7 @@ def _items_page(items, request: HttpRequest, count: int | None) -> ItemsPage:
 
 
 def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -> dict:
-    now = timezone.now()
+    now = transitions.now()
     progress = progress_for(batch, now=now, chart=chart)
     form = ItemFilterForm(request.GET)
     items, count = _items(batch, form, progress.counts)
@@ -312,7 +300,7 @@ def batch_items_live(request: HttpRequest, pk: int) -> HttpResponse:
 @viewer_required
 def batch_progress(request: HttpRequest, pk: int) -> JsonResponse:
     batch = get_object_or_404(Batch, pk=pk)
-    response = JsonResponse(progress_for(batch, now=timezone.now()).as_json())
+    response = JsonResponse(progress_for(batch, now=transitions.now()).as_json())
     response["Cache-Control"] = "no-store"
     return response
 
@@ -346,7 +334,7 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
             if isinstance(result, dict)
             else 0,
             "language": result.get("language", "") if isinstance(result, dict) else "",
-            "now": timezone.now(),
+            "now": transitions.now(),
             "nav": "batches",
         },
     )
@@ -471,24 +459,20 @@ def _back(request: HttpRequest, batch: Batch) -> str:
 
 @operator_action
 def batch_pause(request: HttpRequest, batch: Batch) -> None:
-    with transaction.atomic():
-        if batch.pause():
-            _event(request, batch, Event.Kind.BATCH_PAUSED, "Batch paused.")
-            messages.success(
-                request, "Paused: no new work is handed out; leases in flight finish."
-            )
-        else:
-            messages.info(request, "The batch was already paused.")
+    if transitions.pause_batch(batch, actor=request.user):
+        messages.success(
+            request, "Paused: no new work is handed out; leases in flight finish."
+        )
+    else:
+        messages.info(request, "The batch was already paused.")
 
 
 @operator_action
 def batch_resume(request: HttpRequest, batch: Batch) -> None:
-    with transaction.atomic():
-        if batch.resume():
-            _event(request, batch, Event.Kind.BATCH_RESUMED, "Batch resumed.")
-            messages.success(request, "Resumed.")
-        else:
-            messages.info(request, "The batch was not paused.")
+    if transitions.resume_batch(batch, actor=request.user):
+        messages.success(request, "Resumed.")
+    else:
+        messages.info(request, "The batch was not paused.")
 
 
 @operator_action
@@ -496,7 +480,7 @@ def batch_cancel(request: HttpRequest, batch: Batch) -> None:
     if batch.cancelled_at:
         messages.info(request, "The batch was already cancelled.")
         return
-    cancelled = Job.objects.cancel_batch(
+    cancelled = transitions.cancel_batch(
         batch, actor=request.user, time_limit=ACTION_SECONDS
     )
     left = batch.counts()
@@ -518,15 +502,11 @@ def batch_retry(request: HttpRequest, batch: Batch) -> None:
     q = request.POST.get("q", "").strip().replace("\x00", "")
     if q:
         jobs = jobs.filter(item__source__icontains=q)
-    queued = jobs.retry_failed(actor=request.user)
+    queued = transitions.retry_failed(jobs, actor=request.user)
     scope = f" matching “{q}”" if q else ""
     messages.success(
         request, f"Queued {queued} failed item(s){scope} again, with fresh attempts."
     )
-
-
-def _event(request: HttpRequest, batch: Batch, kind: str, message: str) -> None:
-    Event.objects.create(kind=kind, batch=batch, actor=request.user, message=message)
 
 
 # --- Exports -------------------------------------------------------------------------

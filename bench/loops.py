@@ -201,11 +201,13 @@ def raw(args: dict, started) -> dict:
 
 @loop
 def model(args: dict, started) -> dict:
-    """``Job.objects.claim_next`` then ``job.complete``, as the API calls them.
+    """``transitions.claim_next`` then ``transitions.complete``, as the API calls
+    them (with the database's clock, read inside each statement).
 
     With ``latency``: also the time of every claim. With ``bucket``: completions
     per ``bucket`` seconds (sustained load).
     """
+    from jobs import transitions
     from jobs.models import Job, Worker
 
     worker = Worker.objects.get(pk=args["worker"])
@@ -218,13 +220,13 @@ def model(args: dict, started) -> dict:
     bucket = args.get("bucket")
     while time.time() < deadline:
         t0 = time.perf_counter()
-        job = Job.objects.claim_next(worker)
+        job = transitions.claim_next(worker)
         if args.get("latency"):
             latencies.append(time.perf_counter() - t0)
 
         if job is None:
             break
-        job.complete(job.lease_token, worker=worker, result={"text": "ok"})
+        transitions.complete(job, job.lease_token, worker=worker, result={"text": "ok"})
         done += 1
         if bucket:
             index = int((time.perf_counter() - began) // bucket)

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from django.db import connection, transaction
 
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
+from jobs import transitions
 from jobs.models import Event, Job, Lease, Worker
 
 ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weighted
@@ -38,9 +39,9 @@ def workers(n: int, prefix: str = "bench") -> list[tuple[Worker, str]]:
         name = f"{prefix}-{i}"
         existing = Worker.objects.filter(name=name).first()
         if existing is not None:
-            found.append((existing, existing.rotate_token()))
+            found.append((existing, transitions.rotate_worker_token(existing)))
         else:
-            found.append(Worker.objects.create_with_token(name))
+            found.append(transitions.create_worker(name))
     return found
 
 
@@ -136,7 +137,7 @@ def batch(
             """,
             {"batch": b.pk, "worker": (worker or _seed_worker()).pk, "now": now},
         )
-    BatchCounter.objects.recount(b.pk)
+    transitions.recount(b.pk)
     if not (queued or leased):
         Batch.objects.filter(pk=b.pk).update(finished_at=now)
     with connection.cursor() as cursor:
@@ -166,5 +167,5 @@ def expire_leases(batch_id: int, *, at: datetime) -> int:
 def _seed_worker() -> Worker:
     worker = Worker.objects.filter(name="bench-seed").first()
     if worker is None:
-        worker, _ = Worker.objects.create_with_token("bench-seed")
+        worker, _ = transitions.create_worker("bench-seed")
     return worker

@@ -3,7 +3,8 @@
 Every endpoint is POST, authenticated by ``Authorization: Bearer <worker token>``
 (never by session cookie, so CSRF does not apply), and answers JSON. Every error
 is ``{"error": <code>, "detail": <sentence>}``; bad input is a 4xx, never a 500.
-Views only parse and validate; the transitions live on ``jobs.models.Job``.
+Views only parse and validate; the transitions live in ``jobs.transitions``.
+A request's time is the database's, read with the worker's token.
 """
 
 from __future__ import annotations
@@ -11,22 +12,24 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from functools import wraps
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
+from . import transitions
 from .exceptions import LeaseLost
-from .models import Job, Worker, heartbeat_interval
+from .models import Job, Worker
+from .tokens import MAX_TOKEN_LENGTH
+from .transitions.rules import heartbeat_interval
 
 log = logging.getLogger("recall.api")
 
 MAX_DB_ID = 2**63 - 1
-MAX_TOKEN_LENGTH = 256
 
 
 class ApiError(Exception):
@@ -72,10 +75,9 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
                     f"{request.method} is not allowed here; use POST.",
                     {"Allow": "POST"},
                 )
-            worker = authenticate(request)
+            worker, now = authenticate(request)
             body = json_object_body(request)
-            now = timezone.now()
-            worker.touch(now)
+            transitions.touch_worker(worker, now=now)
             return view(request, worker, body, now=now, **kwargs)
         except ApiError as error:
             return error.response()
@@ -89,7 +91,8 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
     return wrapper
 
 
-def authenticate(request: HttpRequest) -> Worker:
+def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
+    """The worker making the request, and the request's time (the database's)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
@@ -99,8 +102,8 @@ def authenticate(request: HttpRequest) -> Worker:
             "Send the worker token as 'Authorization: Bearer <token>'.",
             {"WWW-Authenticate": 'Bearer realm="recall"'},
         )
-    worker = Worker.objects.authenticate(token)
-    if worker is None:
+    worker, now = transitions.authenticate_worker(token)
+    if worker is None or now is None:
         raise ApiError(
             401,
             "unauthorized",
@@ -109,7 +112,7 @@ def authenticate(request: HttpRequest) -> Worker:
         )
     if not worker.is_active:
         raise ApiError(403, "forbidden", f"Worker {worker.name!r} is disabled.")
-    return worker
+    return worker, now
 
 
 def json_object_body(request: HttpRequest) -> dict:
@@ -231,13 +234,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _job(job_id: int) -> Job:
+def _job(job_id: int) -> int:
     """The job to act on, unread: the transition reads it under its lock, and an
     unknown id turns out a 404 only when the transition fails (one query less
     per call on the hot path)."""
     if job_id > MAX_DB_ID:
         raise _no_such_job(job_id)
-    return Job(pk=job_id)
+    return job_id
 
 
 def _no_such_job(job_id: int) -> ApiError:
@@ -249,7 +252,7 @@ def _no_such_job(job_id: int) -> ApiError:
 
 @worker_endpoint
 def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpResponse:
-    job = Job.objects.claim_next(worker, now=now)
+    job = transitions.claim_next(worker, now=now)
     if job is None:
         return HttpResponse(status=204)
     return JsonResponse(
@@ -280,7 +283,7 @@ def heartbeat(
     request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
 ) -> HttpResponse:
     token = _lease_token(body)
-    expires = _job(job_id).heartbeat(token, worker=worker, now=now)
+    expires = transitions.heartbeat(_job(job_id), token, worker=worker, now=now)
     return JsonResponse({"lease_expires_at": expires.isoformat()})
 
 
@@ -289,7 +292,7 @@ def complete(
     request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
 ) -> HttpResponse:
     token, result = _lease_token(body), _result(body)
-    _job(job_id).complete(token, worker=worker, result=result, now=now)
+    transitions.complete(_job(job_id), token, worker=worker, result=result, now=now)
     return JsonResponse({"status": "completed"})
 
 
@@ -300,8 +303,8 @@ def fail(
     token = _lease_token(body)
     error = _field(body, "error", str)
     retryable = _field(body, "retryable", bool, required=False, default=True)
-    status = _job(job_id).fail(
-        token, worker=worker, error=error, retryable=retryable, now=now
+    status = transitions.fail(
+        _job(job_id), token, worker=worker, error=error, retryable=retryable, now=now
     )
     return JsonResponse({"status": status})
 
@@ -311,7 +314,7 @@ def release(
     request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
 ) -> HttpResponse:
     token = _lease_token(body)
-    _job(job_id).release(token, worker=worker, now=now)
+    transitions.release(_job(job_id), token, worker=worker, now=now)
     return JsonResponse({"status": "queued"})
 
 

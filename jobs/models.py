@@ -1,63 +1,25 @@
-"""Jobs, their leases, and every state transition Recall makes.
+"""Jobs, workers, the lease ledger and the event log: schema and reads.
 
-This module is the one place where job, item and lease-ledger rows change state.
-Each transition runs in one transaction and moves, together:
-
-* the job (``Job.status`` and its lease fields),
-* its batch item (``BatchItem.status`` = ``item_status_for(job.status)``) and the
-  batch's progress counters (``batches.models.move_items``),
-* its lease-ledger row (``Lease``): opened by a claim, closed by everything else.
-
-Rows are changed under a row lock taken inside the transaction
-(``select_for_update``; on SQLite every transaction is ``BEGIN IMMEDIATE``, which
-serialises writers) or by compare-and-set UPDATEs, never from a stale in-memory
-copy. Time is a single ``now`` passed in (tests) or read once per call.
-
-Row-level transitions are methods on ``Job``; table-level ones (claim, reclaim,
-batch cancel, retry, and the admin's bulk cancel and force reclaim) live on
-``JobQuerySet``. Reconciliation (``reconcile.py``)
-decides what to heal and calls the repair methods at the bottom of ``Job``.
-
-On PostgreSQL the clean case of the hot transitions, a claim's lease, a
-completion and a chunk of reclaimed leases, is one hand-written statement each
-(``pgsql.py``) instead of the ORM's many: the same rows, the same transaction,
-far less CPU.
-Whatever is not the clean case (drifted rows, a replayed completion, a lost
-lease) falls through to the ORM code below, which is the reference.
+This module says what the rows are and which combinations are valid (check
+constraints), and offers read-only QuerySets (``claimable(now)``,
+``expired(now)``...). It never changes a job, an item, a ledger row, a counter
+or an event: every such write is a transition in ``jobs.transitions``, which
+moves the job, its item, its ledger row and the batch's counters together in
+one transaction.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import logging
-import secrets
-import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, connection, models, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db import models
+from django.db.models import F, Q
 from django.utils import timezone
 
-from batches.models import Batch, BatchItem, ItemMove, ItemStatus, move_items
+from batches.models import Batch, BatchItem, ItemStatus
 
-from .exceptions import LeaseLost
-
-log = logging.getLogger("recall.jobs")
-
-MAX_ERROR_CHARS = 10_000
-# What an expired lease leaves in the ledger and, on the last attempt, the job
-# ({n}: its max attempts).
-LEASE_EXPIRED = "The lease expired: the worker stopped heartbeating."
-GAVE_UP = (
-    "Gave up: the lease expired on the last allowed attempt ({n} of {n}). If this "
-    "repeats after a retry, the audio may be crashing workers."
-)
-# How many open batches one claim looks at before it reports "nothing claimable".
-CLAIM_BATCH_CANDIDATES = 50
+from .tokens import TOKEN_PREFIX_LENGTH
 
 
 class JobStatus(models.TextChoices):
@@ -71,7 +33,8 @@ class JobStatus(models.TextChoices):
 TERMINAL_JOB_STATUSES = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 # The item status is a pure function of its job's status. This is the only copy of
-# that mapping: transitions, reconciliation, the checker and the tests all use it.
+# that mapping: transitions (both backends), reconciliation, the checker and the
+# tests all use it.
 ITEM_STATUS_FOR_JOB = {
     JobStatus.QUEUED: ItemStatus.QUEUED,
     JobStatus.LEASED: ItemStatus.TRANSCRIBING,
@@ -102,81 +65,14 @@ class LeaseEnd(models.TextChoices):
     FORCED = "forced"
 
 
-def truncate_error(error: str) -> str:
-    """Errors are diagnostics: keep a long one, cut to MAX_ERROR_CHARS."""
-    if len(error) <= MAX_ERROR_CHARS:
-        return error
-    marker = "\n[… truncated]"
-    return error[: MAX_ERROR_CHARS - len(marker)] + marker
-
-
-def retry_delay(attempts: int) -> timedelta:
-    """Exponential backoff after a retryable failure of attempt number ``attempts``."""
-    base = settings.RECALL_RETRY_BACKOFF_SECONDS
-    seconds = min(
-        base * 2 ** max(attempts - 1, 0), settings.RECALL_RETRY_BACKOFF_MAX_SECONDS
-    )
-    return timedelta(seconds=seconds)
-
-
-def lease_duration() -> timedelta:
-    return timedelta(seconds=settings.RECALL_LEASE_SECONDS)
-
-
-# A caller's own record of a bulk transition (e.g. the admin's LogEntry rows): the
-# table-level transitions call it inside each transaction with the jobs that moved,
-# so the record commits or rolls back together with the change.
-Audit = Callable[[Sequence["Job"]], None]
-
-
-def heartbeat_interval() -> int:
-    """Seconds between heartbeats we ask of workers: three chances per lease."""
-    return max(1, settings.RECALL_LEASE_SECONDS // 3)
-
-
 # --- Workers ------------------------------------------------------------------
-
-TOKEN_PREFIX_LENGTH = 8
-
-
-def new_lease_token() -> str:
-    return secrets.token_urlsafe(24)
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-class WorkerQuerySet(models.QuerySet):
-    def create_with_token(self, name: str) -> tuple[Worker, str]:
-        """Create a worker; the token is returned here and never stored in clear."""
-        worker = Worker(name=name)
-        token = worker.set_new_token()
-        worker.save()
-        return worker, token
-
-    def authenticate(self, token: str) -> Worker | None:
-        """The worker holding ``token`` (active or not), or None."""
-        if not (TOKEN_PREFIX_LENGTH < len(token) <= 256):
-            return None
-        digest, prefix = hash_token(token), token[:TOKEN_PREFIX_LENGTH]
-        if connection.vendor == "postgresql" and not self.query.where:
-            from . import pgsql
-
-            candidates = pgsql.workers_with_prefix(prefix)  # every API request
-        else:
-            candidates = self.filter(token_prefix=prefix)
-        for worker in candidates:
-            if hmac.compare_digest(worker.token_hash, digest):
-                return worker
-        return None
 
 
 class Worker(models.Model):
     """A remote transcription worker, authenticated by a bearer token.
 
     Only the token's SHA-256 is stored; the first characters are kept in clear so
-    a token can be found without scanning every worker.
+    a token can be found without scanning every worker (``jobs.tokens``).
     """
 
     # Don't write last_seen on every request: once per this many seconds is enough.
@@ -189,8 +85,6 @@ class Worker(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     last_seen = models.DateTimeField(null=True, blank=True)
 
-    objects = WorkerQuerySet.as_manager()
-
     class Meta:
         permissions = [
             ("disable_worker", "Can disable and re-enable a worker"),
@@ -200,41 +94,18 @@ class Worker(models.Model):
     def __str__(self) -> str:
         return self.name
 
-    def set_new_token(self) -> str:
-        token = secrets.token_urlsafe(32)
-        self.token_prefix = token[:TOKEN_PREFIX_LENGTH]
-        self.token_hash = hash_token(token)
-        return token
-
-    def rotate_token(self) -> str:
-        """Issue a new token; the old one stops working as soon as this commits."""
-        token = self.set_new_token()
-        self.save(update_fields=["token_prefix", "token_hash"])
-        return token
-
-    def set_active(self, active: bool) -> bool:
-        """Disable or re-enable the worker; False if it already was so.
-
-        A disabled worker's requests get 403 at once. Its live lease is left to
-        run out (it can no longer heartbeat), then reclaimed like any other.
-        """
-        changed = Worker.objects.filter(pk=self.pk, is_active=not active).update(
-            is_active=active
+    def seen_long_ago(self, now: datetime) -> bool:
+        """True when ``last_seen`` is worth writing again (see the resolution)."""
+        return (
+            self.last_seen is None or now - self.last_seen >= self.LAST_SEEN_RESOLUTION
         )
-        self.is_active = active
-        return bool(changed)
-
-    def touch(self, now: datetime) -> None:
-        if self.last_seen is None or now - self.last_seen >= self.LAST_SEEN_RESOLUTION:
-            Worker.objects.filter(pk=self.pk).update(last_seen=now)
-            self.last_seen = now
 
 
 # --- Jobs ---------------------------------------------------------------------
 
 
 class JobQuerySet(models.QuerySet):
-    # Reads: chain freely, never write.
+    """Reads: chain freely, never write."""
 
     def claimable(self, now: datetime) -> JobQuerySet:
         return self.filter(
@@ -250,7 +121,7 @@ class JobQuerySet(models.QuerySet):
         return self.filter(batch=batch)
 
     def locked(self, *, skip_locked: bool = False) -> JobQuerySet:
-        """Lock the jobs and their items for this transaction.
+        """Lock the jobs and their items for the caller's transaction.
 
         The item is locked too so that its status is re-read under the lock
         (PostgreSQL re-fetches only the locked rows of a join).
@@ -258,345 +129,6 @@ class JobQuerySet(models.QuerySet):
         return self.select_related("item").select_for_update(
             skip_locked=skip_locked, no_key=True, of=("self", "item")
         )
-
-    # Table-level transitions.
-
-    def claim_next(self, worker: Worker, *, now: datetime | None = None) -> Job | None:
-        """Lease the next claimable job to ``worker``, or return None.
-
-        First reclaims expired leases and heals what can be healed cheaply, so an
-        expired lease is never left standing while new work is handed out. Then
-        takes, by batch priority and age, the oldest claimable job of the first
-        open batch that has one, skipping rows other claims hold (SKIP LOCKED).
-        """
-        from .reconcile import CANCEL_GRACE, reconcile_on_claim
-
-        now = now or timezone.now()
-        postgres = connection.vendor == "postgresql"
-        if postgres:
-            from . import pgsql
-
-            # Most claims: nothing to do first, and the first batch with work has
-            # a job free, or no batch has work. One statement (atomic by
-            # itself), or nothing written.
-            job, written = pgsql.claim_first(
-                worker,
-                token=new_lease_token(),
-                now=now,
-                cancelled_before=now - CANCEL_GRACE,
-            )
-            if written:
-                return job
-            # The long way: the chores and the candidates in one probe (each
-            # chore probes again itself; on SQLite that is all they do).
-            plan = (now, now - CANCEL_GRACE, CLAIM_BATCH_CANDIDATES)
-            expired, cancelling, candidates = pgsql.claim_plan(*plan)
-        else:
-            expired = cancelling = True
-        if expired:
-            Job.objects.reclaim_expired(
-                now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM, wait=False
-            )
-        if cancelling:
-            reconcile_on_claim(now=now)
-        if not postgres:
-            candidates = self._candidate_batches(now)
-        elif expired or cancelling:
-            candidates = pgsql.claim_plan(*plan)[2]  # the chores changed them
-        for batch_id in candidates:
-            job = self._claim_in_batch(batch_id, worker, now)
-            if job is not None:
-                return job
-        return None
-
-    def _candidate_batches(self, now: datetime):
-        """Open batches with a claimable job, by priority (``pgsql.CLAIM_PLAN``
-        on PostgreSQL)."""
-        return (
-            Batch.objects.open()
-            .filter(Exists(Job.objects.claimable(now).filter(batch=OuterRef("pk"))))
-            .order_by("-priority", "pk")
-            .values_list("pk", flat=True)[:CLAIM_BATCH_CANDIDATES]
-        )
-
-    def _claim_in_batch(
-        self, batch_id: int, worker: Worker, now: datetime
-    ) -> Job | None:
-        if connection.vendor == "postgresql":
-            from . import pgsql
-
-            # One statement, so atomic by itself. If the rows it found disagree it
-            # wrote nothing, and the code below (which heals them) runs instead.
-            job, written = pgsql.claim(
-                batch_id, worker, token=new_lease_token(), now=now
-            )
-            if written:
-                return job
-        for attempt in (1, 2):
-            job = None
-            try:
-                with transaction.atomic():
-                    job = (
-                        Job.objects.claimable(now)
-                        .filter(
-                            batch_id=batch_id,
-                            batch__paused_at__isnull=True,
-                            batch__cancelled_at__isnull=True,
-                        )
-                        .select_related("item", "batch")
-                        .select_for_update(
-                            skip_locked=True, no_key=True, of=("self", "item")
-                        )
-                        .order_by("created_at", "pk")
-                        .first()
-                    )
-                    if job is not None:
-                        job._start_lease(worker, now)
-                    return job
-            except IntegrityError:
-                # Only an open ledger row left behind for a queued job can make the
-                # lease insert fail (one open row per job is a constraint). Close
-                # it as a repair and try once more.
-                if job is None or attempt == 2:
-                    raise
-                job.close_stray_leases(now=now)
-        return None
-
-    def reclaim_expired(
-        self,
-        *,
-        now: datetime | None = None,
-        limit: int | None = None,
-        wait: bool = True,
-    ) -> dict:
-        """Reclaim expired leases in bounded transactions; return what happened.
-
-        Each chunk locks its jobs with SKIP LOCKED, so concurrent sweeps and claims
-        share the work and never reclaim the same lease twice. A job that has used
-        its last attempt is failed instead of queued (a poison file must not crash
-        workers forever). On PostgreSQL one process reclaims at a time;
-        ``wait=False`` (a claim) returns at once if another one is at it.
-        """
-        now = now or timezone.now()
-        report = {"requeued": 0, "failed": 0}
-        if not self.expired(now).exists():  # cheap probe, no transaction
-            return report
-        # On PostgreSQL, a chunk of the whole table is one statement (pgsql.py);
-        # the rows it finds disagreeing are left to the ORM chunk below.
-        in_sql = connection.vendor == "postgresql" and not self.query.where
-        chunk = settings.RECALL_CHUNK_SIZE
-        remaining = limit
-        while remaining is None or remaining > 0:
-            size = chunk if remaining is None else min(chunk, remaining)
-            if in_sql:
-                from . import pgsql
-
-                looked, unclean, requeued, failed = pgsql.reclaim_chunk(
-                    now, size, expired=LEASE_EXPIRED, gave_up=GAVE_UP, wait=wait
-                )
-                if unclean:
-                    healed = Job.objects.filter(pk__in=unclean)._reclaim_chunk(
-                        now, len(unclean)
-                    )
-                    requeued, failed = requeued + healed[1], failed + healed[2]
-            else:
-                looked, requeued, failed = self._reclaim_chunk(now, size)
-            report["requeued"] += requeued
-            report["failed"] += failed
-            if remaining is not None:
-                remaining -= looked
-            if looked < size:
-                break
-        if report["requeued"] or report["failed"]:
-            log.info(
-                "reclaimed expired leases: %(requeued)d requeued, %(failed)d failed",
-                report,
-            )
-        return report
-
-    def _reclaim_chunk(self, now: datetime, size: int) -> tuple[int, int, int]:
-        """One transaction of ``reclaim_expired``: (jobs, requeued, failed)."""
-        with transaction.atomic():
-            jobs = list(
-                self.expired(now)
-                .locked(skip_locked=True)
-                .order_by("lease_expires_at")[:size]
-            )
-            requeue = [j for j in jobs if j.attempts < j.max_attempts]
-            give_up = [j for j in jobs if j.attempts >= j.max_attempts]
-            Job._move(
-                requeue,
-                to=JobStatus.QUEUED,
-                now=now,
-                lease_end=LeaseEnd.EXPIRED,
-                error=LEASE_EXPIRED,
-            )
-            for max_attempts, group in _group_by(give_up, "max_attempts").items():
-                message = GAVE_UP.replace("{n}", str(max_attempts))
-                Job._move(
-                    group,
-                    to=JobStatus.FAILED,
-                    now=now,
-                    lease_end=LeaseEnd.EXPIRED,
-                    error=message,
-                    last_error=message,
-                )
-        return len(jobs), len(requeue), len(give_up)
-
-    def cancel_batch(
-        self,
-        batch: Batch,
-        *,
-        now: datetime | None = None,
-        actor=None,
-        time_limit: float | None = None,
-    ) -> int:
-        """Cancel a batch: its queued and in-flight jobs become cancelled.
-
-        The batch is marked cancelled first (claims skip it from then on), then
-        its jobs are cancelled in bounded transactions. In-flight leases end at
-        once (ledger reason ``forced``); their workers get 409 on the next call.
-        After ``time_limit`` seconds no new chunk is started (a web request must
-        answer in time); reconciliation finishes the rest, as it does when the
-        process dies part-way. Returns how many jobs this call cancelled.
-        """
-        now = now or timezone.now()
-        deadline = None if time_limit is None else time.monotonic() + time_limit
-        with transaction.atomic():
-            marked = Batch.objects.filter(
-                pk=batch.pk, cancelled_at__isnull=True
-            ).update(cancelled_at=now)
-            if marked:
-                Event.objects.create(
-                    kind=Event.Kind.BATCH_CANCELLED,
-                    batch_id=batch.pk,
-                    actor=actor,
-                    message="Batch cancelled.",
-                )
-        total = 0
-        for wait in (False, True):  # then rows another transaction held a moment ago
-            while deadline is None or time.monotonic() < deadline:
-                n = self.cancel_batch_chunk(batch.pk, now=now, wait=wait)
-                total += n
-                if not n:
-                    break
-        # Mark it finished now, so claims stop checking it for an unfinished cancel.
-        Batch.objects.filter(pk=batch.pk).settle(now=now)
-        return total
-
-    def cancel_batch_chunk(
-        self, batch_id: int, *, now: datetime, wait: bool = False
-    ) -> int:
-        """Cancel up to one chunk of a cancelled batch's unfinished jobs."""
-        with transaction.atomic():
-            jobs = list(
-                Job.objects.filter(
-                    batch_id=batch_id,
-                    batch__cancelled_at__isnull=False,
-                    status__in=[JobStatus.QUEUED, JobStatus.LEASED],
-                )
-                .locked(skip_locked=not wait)
-                .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
-            )
-            groups = _group_by(jobs, "status")
-            Job._move(groups.get(JobStatus.QUEUED, []), to=JobStatus.CANCELLED, now=now)
-            Job._move(
-                groups.get(JobStatus.LEASED, []),
-                to=JobStatus.CANCELLED,
-                now=now,
-                lease_end=LeaseEnd.FORCED,
-                error="The batch was cancelled.",
-            )
-        return len(jobs)
-
-    def retry_failed(
-        self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
-    ) -> int:
-        """Queue the failed jobs of this queryset again, with fresh attempts.
-
-        Works in bounded transactions; each reopens the batches it touches so
-        claims find them again. Jobs of cancelled batches stay failed. Returns
-        how many jobs were queued.
-        """
-        now = now or timezone.now()
-
-        def retry(jobs: list[Job]) -> None:
-            Batch.objects.filter(pk__in={j.batch_id for j in jobs}).update(
-                finished_at=None
-            )
-            Job._move(jobs, to=JobStatus.QUEUED, now=now, attempts=0)
-            Event.record_each(
-                jobs, Event.Kind.RETRIED, "Queued again with fresh attempts.", actor
-            )
-
-        return self.filter(batch__cancelled_at__isnull=True)._in_chunks(
-            JobStatus.FAILED, retry, audit
-        )
-
-    def cancel_queued(
-        self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
-    ) -> int:
-        """Cancel the queued jobs of this queryset, in bounded transactions.
-
-        Each chunk locks its jobs with SKIP LOCKED: a job a claim holds right now
-        is being leased, so it is no longer queued and is left alone. Jobs in any
-        other status are left alone too. Returns how many jobs were cancelled.
-        """
-        now = now or timezone.now()
-
-        def cancel(jobs: list[Job]) -> None:
-            Job._move(jobs, to=JobStatus.CANCELLED, now=now)
-            Event.record_each(jobs, Event.Kind.CANCELLED, "Job cancelled.", actor)
-
-        return self._in_chunks(JobStatus.QUEUED, cancel, audit)
-
-    def _in_chunks(
-        self, status: str, change: Callable[[list[Job]], None], audit: Audit | None
-    ) -> int:
-        """Apply ``change`` to this queryset's jobs in ``status``, one locked chunk
-        per transaction (keyset on id, SKIP LOCKED: rows a transition holds now
-        are skipped); ``audit`` runs in the same transaction. Returns how many."""
-        total, after = 0, 0
-        while True:
-            with transaction.atomic():
-                jobs = list(
-                    self.filter(status=status, pk__gt=after)
-                    .locked(skip_locked=True)
-                    .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
-                )
-                if not jobs:
-                    return total
-                change(jobs)
-                if audit is not None:
-                    audit(jobs)
-            total += len(jobs)
-            after = jobs[-1].pk
-
-    def force_reclaim(
-        self, *, now: datetime | None = None, actor=None, audit: Audit | None = None
-    ) -> int:
-        """End the live leases of this queryset's leased jobs, each job in a
-        transaction of its own (``Job.force_reclaim``), so a large selection
-        never holds many locks at once. Jobs that are not leased (any more) are
-        skipped. Returns how many leases were ended.
-        """
-        now = now or timezone.now()
-        total, after = 0, 0
-        leased = self.filter(status=JobStatus.LEASED).order_by("pk")
-        while ids := list(
-            leased.filter(pk__gt=after).values_list("pk", flat=True)[
-                : settings.RECALL_CHUNK_SIZE
-            ]
-        ):
-            for pk in ids:
-                job = Job(pk=pk)
-                with transaction.atomic():
-                    reclaimed = job.force_reclaim(actor=actor, now=now)
-                    if reclaimed and audit is not None:
-                        audit([job])
-                total += reclaimed
-            after = ids[-1]
-        return total
 
 
 class Job(models.Model):
@@ -646,7 +178,7 @@ class Job(models.Model):
         indexes = [
             # Claims: the oldest queued job of one batch, in (created_at, id)
             # order, which the primary key cannot give: so PostgreSQL never walks
-            # the primary key past every finished job instead (see pgsql.py).
+            # the primary key past every finished job instead (statements.py).
             models.Index(
                 fields=["batch", "created_at", "id"],
                 name="job_claim",
@@ -703,410 +235,6 @@ class Job(models.Model):
     def __str__(self) -> str:
         return f"job {self.pk} ({self.status})"
 
-    # --- Worker transitions -------------------------------------------------------
-    # Each checks the caller's lease under a row lock, raises LeaseLost (changing
-    # nothing) if it is not live, and otherwise moves job, item and ledger together.
-    # A lease stays live until it is reclaimed: expiry only makes it reclaimable.
-
-    def heartbeat(
-        self, lease_token: str, *, worker: Worker, now: datetime | None = None
-    ) -> datetime:
-        """Extend the lease; return its new expiry."""
-        now = now or timezone.now()
-        expires = now + lease_duration()
-        with transaction.atomic():
-            extended = Job.objects.filter(
-                pk=self.pk,
-                status=JobStatus.LEASED,
-                lease_token=lease_token,
-                leased_by=worker,
-            ).update(lease_expires_at=expires, heartbeat_at=now, updated_at=now)
-            if not extended:
-                raise LeaseLost(self._lost_detail())
-            Lease.objects.filter(token=lease_token, ended_at__isnull=True).update(
-                heartbeat_at=now, expires_at=expires
-            )
-        self.lease_expires_at, self.heartbeat_at = expires, now
-        return expires
-
-    def complete(
-        self,
-        lease_token: str,
-        *,
-        worker: Worker,
-        result: dict,
-        now: datetime | None = None,
-    ) -> None:
-        """Store the result and finish the job. Replaying the call with the token
-        that completed it succeeds again (the worker may have lost the response)."""
-        now = now or timezone.now()
-        if connection.vendor == "postgresql":
-            from . import pgsql
-
-            # One statement, so atomic by itself; unless the lease is live and its
-            # rows agree it writes nothing, and the code below decides.
-            if pgsql.complete(self.pk, lease_token, worker, result=result, now=now):
-                self._completed(result, now)
-                return
-        with transaction.atomic():
-            job = self._lock_lease(lease_token, worker)
-            if job is None:
-                if Lease.objects.filter(
-                    job_id=self.pk,
-                    token=lease_token,
-                    worker=worker,
-                    end_reason=LeaseEnd.COMPLETED,
-                ).exists():
-                    return
-                raise LeaseLost(self._lost_detail())
-            Job._move(
-                [job],
-                to=JobStatus.COMPLETED,
-                now=now,
-                lease_end=LeaseEnd.COMPLETED,
-                result=result,
-            )
-        self._copy_from(job)
-
-    def fail(
-        self,
-        lease_token: str,
-        *,
-        worker: Worker,
-        error: str,
-        retryable: bool = True,
-        now: datetime | None = None,
-    ) -> str:
-        """Record a failed attempt. Retry later (exponential backoff) if the error is
-        retryable and attempts remain, else fail for good. Returns the new status."""
-        now = now or timezone.now()
-        error = truncate_error(error)
-        with transaction.atomic():
-            job = self._lock_lease(lease_token, worker)
-            if job is None:
-                raise LeaseLost(self._lost_detail())
-            if retryable and job.attempts < job.max_attempts:
-                Job._move(
-                    [job],
-                    to=JobStatus.QUEUED,
-                    now=now,
-                    lease_end=LeaseEnd.FAILED,
-                    error=error,
-                    last_error=error,
-                    available_at=now + retry_delay(job.attempts),
-                )
-            else:
-                Job._move(
-                    [job],
-                    to=JobStatus.FAILED,
-                    now=now,
-                    lease_end=LeaseEnd.FAILED,
-                    error=error,
-                    last_error=error,
-                )
-        self._copy_from(job)
-        return job.status
-
-    def release(
-        self, lease_token: str, *, worker: Worker, now: datetime | None = None
-    ) -> None:
-        """Give the job back (clean worker shutdown): queued at once, and the
-        attempt is not counted."""
-        now = now or timezone.now()
-        with transaction.atomic():
-            job = self._lock_lease(lease_token, worker)
-            if job is None:
-                raise LeaseLost(self._lost_detail())
-            Job._move(
-                [job],
-                to=JobStatus.QUEUED,
-                now=now,
-                lease_end=LeaseEnd.RELEASED,
-                refund_attempt=True,
-            )
-        self._copy_from(job)
-
-    # --- Operator and admin transitions -------------------------------------------
-
-    def force_reclaim(self, *, actor=None, now: datetime | None = None) -> bool:
-        """End a live lease now (admin action): job and item back to queued, the
-        ledger row closed as ``forced``, the attempt not counted. The old worker
-        is fenced out by its token. Returns False if the job was not leased."""
-        now = now or timezone.now()
-        with transaction.atomic():
-            job = (
-                Job.objects.filter(pk=self.pk, status=JobStatus.LEASED).locked().first()
-            )
-            if job is None:
-                return False
-            worker = job.leased_by_id
-            Job._move(
-                [job],
-                to=JobStatus.QUEUED,
-                now=now,
-                lease_end=LeaseEnd.FORCED,
-                error="The lease was ended by an administrator.",
-                refund_attempt=True,
-            )
-            Event.objects.create(
-                kind=Event.Kind.FORCE_RECLAIMED,
-                job=job,
-                batch_id=job.batch_id,
-                actor=actor,
-                message=f"Lease of worker {worker} ended by force; job queued again.",
-            )
-        self._copy_from(job)
-        return True
-
-    def cancel(self, *, actor=None, now: datetime | None = None) -> bool:
-        """Cancel a queued job. Returns False if it was not queued."""
-        now = now or timezone.now()
-        with transaction.atomic():
-            job = (
-                Job.objects.filter(pk=self.pk, status=JobStatus.QUEUED).locked().first()
-            )
-            if job is None:
-                return False
-            Job._move([job], to=JobStatus.CANCELLED, now=now)
-            Event.objects.create(
-                kind=Event.Kind.CANCELLED,
-                job=job,
-                batch_id=job.batch_id,
-                actor=actor,
-                message="Job cancelled.",
-            )
-        self._copy_from(job)
-        return True
-
-    # --- Repairs (called by reconciliation; each one atomic) ----------------------
-
-    def heal_item(self, *, now: datetime | None = None) -> bool:
-        """Set the item's status to the one that agrees with the job's."""
-        now = now or timezone.now()
-        with transaction.atomic():
-            job = Job.objects.filter(pk=self.pk).locked().first()
-            if job is None or job.item.status == item_status_for(job.status):
-                return False
-            Job._move_items([job], was=job.status, to=job.status, now=now)
-        return True
-
-    def close_stray_leases(self, *, now: datetime | None = None) -> int:
-        """Close open ledger rows of this job that no live lease stands behind."""
-        now = now or timezone.now()
-        with transaction.atomic():
-            job = Job.objects.filter(pk=self.pk).locked().first()
-            if job is None:
-                return 0
-            stray = Lease.objects.filter(job=job, ended_at__isnull=True)
-            if job.status == JobStatus.LEASED:
-                stray = stray.exclude(token=job.lease_token)
-            stray = list(stray)
-            for lease in stray:
-                Lease.objects.filter(pk=lease.pk).update(
-                    ended_at=now,
-                    end_reason=LeaseEnd.EXPIRED,
-                    error=f"Closed by reconciliation: the job is {job.status}.",
-                )
-                Event.repair(
-                    job,
-                    f"Closed lease-ledger row {lease.pk} (attempt {lease.attempt}) "
-                    f"left open although the job is {job.status}.",
-                )
-        return len(stray)
-
-    def restore_lease_row(self, *, now: datetime | None = None) -> bool:
-        """Give a leased job the open ledger row it lacks."""
-        now = now or timezone.now()
-        with transaction.atomic():
-            job = (
-                Job.objects.filter(pk=self.pk, status=JobStatus.LEASED).locked().first()
-            )
-            if (
-                job is None
-                or Lease.objects.filter(
-                    token=job.lease_token, ended_at__isnull=True
-                ).exists()
-            ):
-                return False
-            Lease.objects.filter(job=job, ended_at__isnull=True).update(
-                ended_at=now,
-                end_reason=LeaseEnd.EXPIRED,
-                error="Closed by reconciliation: superseded by the job's live lease.",
-            )
-            Lease.objects.filter(
-                token=job.lease_token
-            ).delete()  # a closed row with a live token
-            Lease.objects.create(
-                job=job,
-                worker_id=job.leased_by_id,
-                token=job.lease_token,
-                attempt=job.attempts,
-                claimed_at=job.heartbeat_at or now,
-                heartbeat_at=job.heartbeat_at,
-                expires_at=job.lease_expires_at,
-            )
-            Event.repair(
-                job, "Opened the missing lease-ledger row for the job's live lease."
-            )
-        return True
-
-    def fail_exhausted(self, *, now: datetime | None = None) -> bool:
-        """Fail a queued job that has no attempts left (it can never be claimed)."""
-        now = now or timezone.now()
-        with transaction.atomic():
-            job = (
-                Job.objects.filter(
-                    pk=self.pk, status=JobStatus.QUEUED, attempts__gte=F("max_attempts")
-                )
-                .locked()
-                .first()
-            )
-            if job is None:
-                return False
-            message = "Failed by reconciliation: queued with no attempts left."
-            Job._move([job], to=JobStatus.FAILED, now=now, last_error=message)
-            Event.repair(job, message)
-        return True
-
-    # --- Internals ----------------------------------------------------------------
-
-    def _lock_lease(self, lease_token: str, worker: Worker) -> Job | None:
-        """This job, locked, if ``worker`` holds its live lease under this token."""
-        return (
-            Job.objects.filter(
-                pk=self.pk,
-                status=JobStatus.LEASED,
-                lease_token=lease_token,
-                leased_by=worker,
-            )
-            .locked()
-            .first()
-        )
-
-    def _completed(self, result: dict, now: datetime) -> None:
-        """Bring this instance in line with a completion written in SQL."""
-        self.status, self.result = JobStatus.COMPLETED, result
-        self.lease_token = self.leased_by_id = self.lease_expires_at = None
-        self.finished_at = self.updated_at = now
-
-    def _lost_detail(self) -> str:
-        return (
-            f"Job {self.pk} is not leased to this worker under this token: the lease "
-            f"ended (completed, failed, released, reclaimed or cancelled) or the token "
-            f"is wrong."
-        )
-
-    def _copy_from(self, other: Job) -> None:
-        for field in self._meta.concrete_fields:
-            setattr(self, field.attname, getattr(other, field.attname))
-
-    def _start_lease(self, worker: Worker, now: datetime) -> None:
-        """queued -> leased for this locked job: job, item, new ledger row."""
-        was = self.status
-        self.status = JobStatus.LEASED
-        self.lease_token = new_lease_token()
-        self.leased_by = worker
-        self.lease_expires_at = now + lease_duration()
-        self.heartbeat_at = now
-        self.attempts += 1
-        self.updated_at = now
-        self.save(
-            update_fields=[
-                "status",
-                "lease_token",
-                "leased_by",
-                "lease_expires_at",
-                "heartbeat_at",
-                "attempts",
-                "updated_at",
-            ]
-        )
-        Job._move_items([self], was=was, to=self.status, now=now)
-        Lease.objects.create(
-            job=self,
-            worker=worker,
-            token=self.lease_token,
-            attempt=self.attempts,
-            claimed_at=now,
-            heartbeat_at=now,
-            expires_at=self.lease_expires_at,
-        )
-
-    @staticmethod
-    def _move(
-        jobs: Sequence[Job],
-        *,
-        to: str,
-        now: datetime,
-        lease_end: str | None = None,
-        error: str = "",
-        refund_attempt: bool = False,
-        **fields,
-    ) -> None:
-        """Move locked ``jobs`` (all in the same status) to status ``to``.
-
-        Writes the jobs, closes their ledger rows (if they were leased, with reason
-        ``lease_end``), and moves their items and the counters: all inside the
-        caller's transaction. ``fields`` are further job fields to set.
-        """
-        if not jobs:
-            return
-        was = jobs[0].status
-        assert all(j.status == was for j in jobs), "one source status per move"
-        if was == JobStatus.LEASED:
-            Lease.close(jobs, reason=lease_end, now=now, error=error)
-        values = {"status": to, "updated_at": now, **fields}
-        if was == JobStatus.LEASED:
-            values.update(lease_token=None, leased_by=None, lease_expires_at=None)
-        if to == JobStatus.QUEUED:
-            values.setdefault("available_at", now)
-            values["finished_at"] = None
-        elif to in TERMINAL_JOB_STATUSES:
-            values["finished_at"] = now
-        update = dict(values)
-        if refund_attempt:
-            update["attempts"] = F("attempts") - 1
-        Job.objects.filter(pk__in=[j.pk for j in jobs]).update(**update)
-        for job in jobs:
-            for name, value in values.items():
-                setattr(job, name, value)
-            if refund_attempt:
-                job.attempts -= 1
-        Job._move_items(jobs, was=was, to=to, now=now)
-
-    @staticmethod
-    def _move_items(jobs: Sequence[Job], *, was: str, to: str, now: datetime) -> None:
-        """Bring the items of ``jobs`` to the status that agrees with ``to``.
-
-        ``was`` is the jobs' status before this transition; an item that did not
-        agree with it had drifted, and the repair is logged.
-        """
-        expected, new = item_status_for(was), item_status_for(to)
-        moves, drifted = [], set()
-        for job in jobs:
-            item = job.item
-            if item.status != expected:
-                Event.repair(
-                    job,
-                    f"Item was {item.status} while its job was {was}; set to {new}.",
-                )
-                drifted.add(job.batch_id)
-            moves.append(
-                ItemMove(item.pk, job.batch_id, item.status, new, item.duration_ms or 0)
-            )
-            item.status = new
-        move_items(moves, now=now)
-        if drifted:
-            # Whatever changed the item may have bypassed the counters too.
-            Batch.objects.filter(pk__in=drifted).update(recount_requested_at=now)
-
-
-def _group_by(jobs: Iterable[Job], attribute: str) -> dict:
-    groups: dict = defaultdict(list)
-    for job in jobs:
-        groups[getattr(job, attribute)].append(job)
-    return groups
-
 
 # --- The lease ledger ---------------------------------------------------------
 
@@ -1147,42 +275,6 @@ class Lease(models.Model):
 
     def __str__(self) -> str:
         return f"lease {self.pk} of job {self.job_id} (attempt {self.attempt})"
-
-    @staticmethod
-    def close(
-        jobs: Sequence[Job], *, reason: str, now: datetime, error: str = ""
-    ) -> None:
-        """Close the open ledger rows of the live leases of ``jobs``.
-
-        Call it before the jobs' lease fields are cleared. A live lease whose row
-        is missing or already closed is drift: the row is written (closed) or left
-        as it is, and the repair logged, so the history shows every attempt.
-        """
-        assert reason in LeaseEnd.values
-        tokens = [job.lease_token for job in jobs]
-        closed = Lease.objects.filter(token__in=tokens, ended_at__isnull=True).update(
-            ended_at=now, end_reason=reason, error=error
-        )
-        if closed == len(tokens):
-            return
-        rows = dict(
-            Lease.objects.filter(token__in=tokens).values_list("token", "ended_at")
-        )
-        for job in jobs:
-            if job.lease_token not in rows:
-                Lease.objects.create(
-                    job=job,
-                    worker_id=job.leased_by_id,
-                    token=job.lease_token,
-                    attempt=job.attempts,
-                    claimed_at=job.heartbeat_at or now,
-                    ended_at=now,
-                    end_reason=reason,
-                    error=error,
-                )
-                Event.repair(job, "The live lease had no ledger row; wrote it, closed.")
-            elif rows[job.lease_token] != now:
-                Event.repair(job, "The live lease's ledger row was already closed.")
 
 
 # --- Event log ----------------------------------------------------------------
@@ -1230,27 +322,24 @@ class Event(models.Model):
     def __str__(self) -> str:
         return f"{self.kind}: {self.message}"
 
-    @classmethod
-    def record_each(cls, jobs: Sequence[Job], kind: str, message: str, actor) -> None:
-        """One event per job (an operator's or admin's action on each)."""
-        cls.objects.bulk_create(
-            cls(kind=kind, job=job, batch_id=job.batch_id, actor=actor, message=message)
-            for job in jobs
-        )
 
-    @classmethod
-    def repair(
-        cls, job: Job | None, message: str, *, batch_id: int | None = None
-    ) -> Event:
-        """Log a reconciliation repair (database row and WARNING log line)."""
-        if batch_id is None and job is not None:
-            batch_id = job.batch_id
-        log.warning(
-            "repair: job=%s batch=%s: %s", job.pk if job else "-", batch_id, message
-        )
-        return cls.objects.create(
-            kind=cls.Kind.REPAIR, job=job, batch_id=batch_id, message=message
-        )
+# --- Tallies --------------------------------------------------------------------
+
+
+class Tally(models.Model):
+    """A count that only grows: what the transitions did since the beginning.
+
+    Metrics that must survive restarts and agree across processes and nodes
+    (expired and forced leases, repairs by kind) are read from here. Each row
+    is added to by the transition that does the thing, in its transaction, once
+    per chunk, never per job on the hot path.
+    """
+
+    name = models.CharField(max_length=64, unique=True)
+    count = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.count}"
 
 
 # --- Sweeper state ------------------------------------------------------------
@@ -1259,9 +348,12 @@ class Event(models.Model):
 class SweepState(models.Model):
     """A single row: the sweep's lock and what its last pass did.
 
-    The lock is itself a lease (``locked_until``), so a sweeper killed mid-pass
-    cannot block the next one for long. /readyz reads ``last_finished_at``.
+    The lock is itself a lease (``locked_until``, on the database's clock), so a
+    sweeper killed mid-pass cannot block the next one for long. /readyz reads
+    ``last_finished_at``. ``jobs.sweep`` owns its writes.
     """
+
+    SINGLETON = 1
 
     locked_until = models.DateTimeField(null=True, blank=True)
     locked_by = models.CharField(max_length=100, blank=True, default="")
@@ -1272,29 +364,3 @@ class SweepState(models.Model):
 
     def __str__(self) -> str:
         return f"sweep state (last finished {self.last_finished_at})"
-
-    SINGLETON = 1
-
-    @classmethod
-    def get(cls) -> SweepState:
-        state, _ = cls.objects.get_or_create(pk=cls.SINGLETON)
-        return state
-
-    @classmethod
-    def acquire(cls, owner: str, *, now: datetime, ttl: timedelta) -> bool:
-        cls.get()
-        return bool(
-            cls.objects.filter(pk=cls.SINGLETON)
-            .filter(
-                Q(locked_until__isnull=True)
-                | Q(locked_until__lt=now)
-                | Q(locked_by=owner)
-            )
-            .update(locked_until=now + ttl, locked_by=owner)
-        )
-
-    @classmethod
-    def release(cls, owner: str) -> None:
-        cls.objects.filter(pk=cls.SINGLETON, locked_by=owner).update(
-            locked_until=None, locked_by=""
-        )

@@ -5,12 +5,14 @@ What atomicity cannot cover is work split over several transactions (a bulk
 cancel interrupted part-way), rows changed behind Recall's back (a manual SQL
 edit, a restored backup, an older release), and bugs. This module finds such
 mismatches and heals each one in a short transaction of its own, through the
-repair methods on ``Job``; every repair is logged (``Event`` row and WARNING).
+repairs in ``jobs.transitions``; every repair is logged (``Event`` row, WARNING
+line, and the repairs tally).
 
 It runs:
 
-* on every claim: ``reconcile_on_claim`` (index lookups only; the claim itself
-  heals the rows it touches and reclaims expired leases first);
+* on every claim: the claim itself (``jobs.transitions.claim_next``) reclaims
+  expired leases first, finishes a chunk of an interrupted batch cancel, and
+  heals the rows it touches (index lookups only);
 * in every sweep: ``reconcile`` over the live rows (leases, in-flight items,
   open ledger rows) plus a bounded slice of a rotating scan of all jobs;
 * at start-up and on demand (``recall_sweep --full``): everything, including a
@@ -30,21 +32,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from django.db.models import Exists, F, Max, OuterRef, Q
 
-from batches.models import Batch, BatchCounter, ItemStatus
+from batches.models import Batch, ItemStatus
 
-from .models import Event, Job, JobStatus, Lease, SweepState, agreeing_item_status
+from . import transitions
+from .models import Job, JobStatus, Lease, SweepState, agreeing_item_status
 
 log = logging.getLogger("recall.reconcile")
 
 # Rows of the jobs table one query of the rotating scan covers.
 SCAN_WINDOW = 5_000
-# An operator's cancel normally finishes within its own request; one whose batch
-# still has unfinished jobs after this long was interrupted.
-CANCEL_GRACE = timedelta(seconds=30)
 
 
 @dataclass
@@ -66,26 +66,6 @@ class ReconcileReport:
         return asdict(self)
 
 
-def reconcile_on_claim(*, now: datetime) -> ReconcileReport:
-    """The claim's share: finish one chunk of an interrupted batch cancel.
-
-    One probe of a partial index that is empty unless a cancel is unfinished.
-    """
-    report = ReconcileReport()
-    batch_id = (
-        Batch.objects.filter(
-            cancelled_at__isnull=False,
-            finished_at__isnull=True,
-            cancelled_at__lt=now - CANCEL_GRACE,
-        )
-        .values_list("pk", flat=True)
-        .first()
-    )
-    if batch_id is not None:
-        report.cancels_finished = _finish_cancel(batch_id, now=now, chunks=1)
-    return report
-
-
 def reconcile(
     *, now: datetime, scan_budget: int | None = None, recount: bool = False
 ) -> ReconcileReport:
@@ -101,24 +81,15 @@ def reconcile(
     for batch_id in Batch.objects.filter(
         cancelled_at__isnull=False, finished_at__isnull=True
     ).values_list("pk", flat=True):
-        report.cancels_finished += _finish_cancel(batch_id, now=now)
+        report.cancels_finished += transitions.finish_cancel(batch_id, now=now)
     _scan_jobs(report, now=now, budget=scan_budget)
     batches = Batch.objects.all()
     if not recount:
         batches = batches.filter(recount_requested_at__isnull=False)
     for batch_id, requested_at in batches.values_list("pk", "recount_requested_at"):
-        if BatchCounter.objects.recount(batch_id):
-            report.counters_fixed += 1
-            Event.repair(
-                None,
-                "Progress counters differed from a recount of the items; fixed.",
-                batch_id=batch_id,
-            )
-        if requested_at is not None:
-            # Unless another repair asked again meanwhile.
-            Batch.objects.filter(pk=batch_id, recount_requested_at=requested_at).update(
-                recount_requested_at=None
-            )
+        report.counters_fixed += transitions.recount(
+            batch_id, requested_at=requested_at
+        )
     if report.repairs:
         log.warning("reconcile healed: %s", report.as_dict())
     return report
@@ -137,7 +108,7 @@ def _heal_live_rows(report: ReconcileReport, *, now: datetime) -> None:
         .values_list("pk", flat=True)
     )
     for job_id in disagreeing:
-        report.items_healed += Job(pk=job_id).heal_item(now=now)
+        report.items_healed += transitions.heal_item(job_id, now=now)
 
     stray = (
         Lease.objects.filter(ended_at__isnull=True)
@@ -146,7 +117,7 @@ def _heal_live_rows(report: ReconcileReport, *, now: datetime) -> None:
         .distinct()
     )
     for job_id in list(stray):
-        report.leases_closed += Job(pk=job_id).close_stray_leases(now=now)
+        report.leases_closed += transitions.close_stray_leases(job_id, now=now)
 
     unrecorded = leased.exclude(
         Exists(
@@ -154,27 +125,7 @@ def _heal_live_rows(report: ReconcileReport, *, now: datetime) -> None:
         )
     ).values_list("pk", flat=True)
     for job_id in list(unrecorded):
-        report.leases_restored += Job(pk=job_id).restore_lease_row(now=now)
-
-
-def _finish_cancel(batch_id: int, *, now: datetime, chunks: int | None = None) -> int:
-    """Cancel what a cancelled batch still has queued or in flight."""
-    total = 0
-    while chunks is None or chunks > 0:
-        n = Job.objects.cancel_batch_chunk(batch_id, now=now)
-        total += n
-        if chunks is not None:
-            chunks -= 1
-        if n == 0:
-            break
-    if total:
-        log.warning(
-            "repair: finished an interrupted cancel of batch %s: %d jobs",
-            batch_id,
-            total,
-        )
-    Batch.objects.filter(pk=batch_id).settle(now=now)
-    return total
+        report.leases_restored += transitions.restore_lease_row(job_id, now=now)
 
 
 def _scan_jobs(report: ReconcileReport, *, now: datetime, budget: int | None) -> None:
@@ -185,7 +136,7 @@ def _scan_jobs(report: ReconcileReport, *, now: datetime, budget: int | None) ->
     every few sweeps.
     """
     top = Job.objects.aggregate(top=Max("pk"))["top"] or 0
-    cursor = SweepState.get().scan_cursor if budget is not None else 0
+    cursor = sweep_state().scan_cursor if budget is not None else 0
     if cursor >= top:
         cursor = 0
     while cursor < top and (budget is None or report.jobs_scanned < budget):
@@ -204,9 +155,9 @@ def _scan_jobs(report: ReconcileReport, *, now: datetime, budget: int | None) ->
                 status__in=[JobStatus.QUEUED, JobStatus.LEASED],
                 batch__finished_at__isnull=False,
             )
-        ).values_list("pk", "batch_id")
-        for job_id, batch_id in list(suspects):
-            _heal_scanned(report, Job(pk=job_id), batch_id, now=now)
+        ).values_list("pk", flat=True)
+        for job_id in list(suspects):
+            _heal_scanned(report, job_id, now=now)
         report.jobs_scanned += SCAN_WINDOW if boundary else window.count()
         cursor = hi
     if budget is not None:
@@ -215,20 +166,13 @@ def _scan_jobs(report: ReconcileReport, *, now: datetime, budget: int | None) ->
         )
 
 
-def _heal_scanned(
-    report: ReconcileReport, job: Job, batch_id: int, *, now: datetime
-) -> None:
-    report.items_healed += job.heal_item(now=now)
-    report.exhausted_failed += job.fail_exhausted(now=now)
-    unfinished = Job.objects.filter(
-        pk=job.pk, status__in=[JobStatus.QUEUED, JobStatus.LEASED]
-    )
-    if unfinished.exists() and Batch.objects.filter(
-        pk=batch_id, finished_at__isnull=False
-    ).update(finished_at=None):
-        report.batches_reopened += 1
-        Event.repair(
-            job,
-            "The batch was marked finished but this job was not; reopened it.",
-            batch_id=batch_id,
-        )
+def _heal_scanned(report: ReconcileReport, job_id: int, *, now: datetime) -> None:
+    report.items_healed += transitions.heal_item(job_id, now=now)
+    report.exhausted_failed += transitions.fail_exhausted(job_id, now=now)
+    report.batches_reopened += transitions.reopen_batch(job_id, now=now)
+
+
+def sweep_state() -> SweepState:
+    """The sweep's single state row (created on first use)."""
+    state, _ = SweepState.objects.get_or_create(pk=SweepState.SINGLETON)
+    return state

@@ -6,11 +6,11 @@ from django.db.models import Count, OuterRef, Prefetch, Subquery
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
-from django.utils import timezone
 from django.views.decorators.http import require_GET
 
-from batches.views import viewer_required
+from batches.roles import viewer_required
 
+from . import transitions
 from .models import Job, JobStatus, Lease, LeaseEnd, Worker
 
 FLAKY_MIN_EXPIRED = 3
@@ -76,5 +76,5 @@ def worker_list(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "jobs/workers.html",
-        {"rows": rows, "now": timezone.now(), "nav": "workers"},
+        {"rows": rows, "now": transitions.now(), "nav": "workers"},
     )

@@ -166,9 +166,15 @@ SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 
 # --- Recall -------------------------------------------------------------------
+# Which backend writes the transitions (jobs/transitions): "auto" takes the
+# PostgreSQL statement backend on PostgreSQL and the ORM backend elsewhere; "orm"
+# forces the portable ORM backend everywhere (the tests run both).
+RECALL_TRANSITIONS_BACKEND = env.str("RECALL_TRANSITIONS_BACKEND", default="auto")
+if RECALL_TRANSITIONS_BACKEND not in ("auto", "orm"):
+    raise ImproperlyConfigured("RECALL_TRANSITIONS_BACKEND must be auto or orm.")
 # PostgreSQL: prepare the claim's and completion's statements once per connection
-# (jobs/pgsql.py). Turn off behind a pooler that cannot keep prepared statements
-# (PgBouncer in transaction mode before 1.21).
+# (jobs/transitions/statements.py). Turn off behind a pooler that cannot keep
+# prepared statements (PgBouncer in transaction mode before 1.21).
 RECALL_PREPARED_STATEMENTS = env.bool("RECALL_PREPARED_STATEMENTS", default=True)
 RECALL_LEASE_SECONDS = env.int("RECALL_LEASE_SECONDS", default=60)
 RECALL_MAX_ATTEMPTS = env.int("RECALL_MAX_ATTEMPTS", default=3)

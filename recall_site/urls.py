@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from jobs import api, openapi
+from jobs import api, openapi, views
 
 urlpatterns = [
     path("api/v1/claim", api.claim, name="api-claim"),
@@ -15,6 +15,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("workers/", views.worker_list, name="worker-list"),
     path("", include("batches.urls")),
 ]
 

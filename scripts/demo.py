@@ -117,7 +117,7 @@ def set_up() -> tuple[str, dict[str, str]]:
     from django.db import connections
 
     from batches.intake import create_batch, file_lines
-    from jobs.models import Worker
+    from jobs import transitions
 
     say("migrating the demo database and collecting static files ...")
     call_command("migrate", interactive=False, verbosity=0)
@@ -126,7 +126,7 @@ def set_up() -> tuple[str, dict[str, str]]:
     get_user_model().objects.create_superuser(ADMIN, "demo@example.com", password)
     tokens = {}
     for name in ("gpu-1", "gpu-2", "gpu-flaky"):
-        _, tokens[name] = Worker.objects.create_with_token(name)
+        _, tokens[name] = transitions.create_worker(name)
     hours = manifest(VAR / "interviews.csv", "interview", ITEMS, 5, 300)
     create_batch("Demo: field interviews", file_lines(VAR / "interviews.csv"))
     urgent = max(5, ITEMS // 25)

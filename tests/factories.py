@@ -12,6 +12,7 @@ from django.test import Client
 
 from batches.intake import create_batch
 from batches.models import Batch, BatchCounter, BatchItem
+from jobs import transitions
 from jobs.models import Job, Lease, Worker
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -26,7 +27,7 @@ def is_postgres() -> bool:
 
 
 def make_worker(name: str = "gpu-1") -> Worker:
-    worker, token = Worker.objects.create_with_token(name)
+    worker, token = transitions.create_worker(name)
     worker.token = token
     return worker
 
@@ -163,7 +164,7 @@ def assert_consistent(now: datetime = T0) -> None:
 
 
 def claim(worker: Worker, now: datetime = T0) -> Job:
-    job = Job.objects.claim_next(worker, now=now)
+    job = transitions.claim_next(worker, now=now)
     assert job is not None, "expected a claimable job"
     return job
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import seed
+from jobs import transitions
 from jobs.checks import find_violations
 from jobs.models import Job, JobStatus
 from jobs.sweep import sweep
@@ -51,7 +52,7 @@ def test_seeded_rows_agree_like_the_transitions_leave_them():
     assert seed.expire_leases(batch.pk, at=T0) == 7
     sweep(now=T0 + timedelta(seconds=1))
     assert Job.objects.filter(status=JobStatus.LEASED).count() == 0
-    job = Job.objects.claim_next(claimer, now=T0 + timedelta(seconds=2))
+    job = transitions.claim_next(claimer, now=T0 + timedelta(seconds=2))
     assert job.batch_id == batch.pk
     assert find_violations(now=T0 + timedelta(seconds=2)) == []
 

@@ -9,8 +9,10 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from batches.models import Batch
-from jobs.models import Job, SweepState, Worker
-from jobs.sweep import LOCK_TTL
+from jobs import transitions
+from jobs.models import Job, Worker
+from jobs.reconcile import sweep_state
+from jobs.sweep import LOCK_TTL, acquire_lock
 
 from .factories import claim, later, make_batch, make_worker
 
@@ -28,7 +30,7 @@ def test_create_worker_prints_the_token_last_and_stores_only_its_hash():
 
     token = out.strip().splitlines()[-1]
     worker = Worker.objects.get(name="gpu-box-7")
-    assert Worker.objects.authenticate(token) == worker
+    assert transitions.authenticate_worker(token)[0] == worker
     assert token not in (worker.token_hash, worker.token_prefix)
     assert "shown only" not in out  # the value is alone on stdout
     assert "gpu-box-7" in err
@@ -82,12 +84,12 @@ def test_recall_sweep_prints_counts_and_a_json_report(worker):
     report = json.loads(lines[-1])
     assert report["reclaimed"] == {"requeued": 1, "failed": 0}
     assert report["reconcile"]["items_healed"] == 0
-    assert SweepState.get().last_finished_at is not None
+    assert sweep_state().last_finished_at is not None
 
 
 def test_recall_sweep_skips_reconcile_while_another_sweep_holds_the_lock(db):
 
-    assert SweepState.acquire("other-host:1", now=timezone.now(), ttl=LOCK_TTL)
+    assert acquire_lock("other-host:1", now=timezone.now(), ttl=LOCK_TTL)
 
     out, _ = run("recall_sweep")
 

@@ -6,7 +6,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from jobs.models import SweepState
+from jobs.reconcile import sweep_state
 from jobs.sweep import sweep
 
 
@@ -37,7 +37,7 @@ def test_readyz_after_a_sweep_is_200_even_for_an_unknown_host():
     assert response.status_code == 200
     body = response.json()
     assert body["status"] == "ok"
-    assert body["last_sweep"] == SweepState.get().last_finished_at.isoformat()
+    assert body["last_sweep"] == sweep_state().last_finished_at.isoformat()
 
 
 @pytest.mark.django_db

@@ -15,7 +15,8 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from batches.models import Batch, ItemStatus
-from jobs.admin import CANCEL_QUEUED, FORCE_RECLAIM, REQUEUE_FAILED
+from jobs import transitions
+from jobs.admin.job_actions import CANCEL_QUEUED, FORCE_RECLAIM, REQUEUE_FAILED
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
 
 from ..factories import assert_consistent, failpoint, jobs_of, make_batch, snapshot
@@ -39,8 +40,10 @@ def _claim(api) -> dict:
 
 
 def _fail_for_good(worker, now) -> Job:
-    job = Job.objects.claim_next(worker, now=now)
-    job.fail(job.lease_token, worker=worker, error="bad audio", retryable=False)
+    job = transitions.claim_next(worker, now=now)
+    transitions.fail(
+        job, job.lease_token, worker=worker, error="bad audio", retryable=False
+    )
     return job
 
 
@@ -168,12 +171,12 @@ def test_requeue_failed_gives_fresh_attempts_and_reopens_the_batch(staff, worker
     now = timezone.now()
     batch = make_batch(3)
     failed = [_fail_for_good(worker, now), _fail_for_good(worker, now)]
-    done = Job.objects.claim_next(worker, now=now)
-    done.complete(done.lease_token, worker=worker, result={"text": "ok"})
-    assert Batch.objects.settle(now=now) == 1
+    done = transitions.claim_next(worker, now=now)
+    transitions.complete(done, done.lease_token, worker=worker, result={"text": "ok"})
+    assert transitions.settle(now=now) == 1
     cancelled_batch = make_batch(1, name="dropped")
     in_cancelled = _fail_for_good(worker, now)
-    Job.objects.cancel_batch(cancelled_batch, now=now)
+    transitions.cancel_batch(cancelled_batch, now=now)
     ids = [*(j.pk for j in failed), done.pk, in_cancelled.pk]
     user, client = staff("oncall", "jobs.view_job", "jobs.requeue_job")
 
@@ -222,7 +225,7 @@ def test_requeue_failed_gives_fresh_attempts_and_reopens_the_batch(staff, worker
 
 def test_cancel_queued_cancels_job_item_and_counters_and_audits_it(staff, worker):
     batch = make_batch(4)
-    leased = Job.objects.claim_next(worker, now=timezone.now())
+    leased = transitions.claim_next(worker, now=timezone.now())
     queued = [j for j in jobs_of(batch) if j.pk != leased.pk]
     user, client = staff("oncall", "jobs.view_job", "jobs.cancel_job")
     ids = [j.pk for j in jobs_of(batch)]
@@ -311,8 +314,8 @@ def test_nothing_to_do_shows_no_button(staff):
 def _leased_pair(worker, other_worker):
     batch = make_batch(2)
     now = timezone.now()
-    Job.objects.claim_next(worker, now=now)
-    Job.objects.claim_next(other_worker, now=now)
+    transitions.claim_next(worker, now=now)
+    transitions.claim_next(other_worker, now=now)
     return jobs_of(batch)
 
 
@@ -321,7 +324,7 @@ def _failed_pair(worker, other_worker):
     now = timezone.now()
     _fail_for_good(worker, now)
     _fail_for_good(other_worker, now)
-    Batch.objects.settle(now=now)
+    transitions.settle(now=now)
     return jobs_of(batch)
 
 
@@ -366,7 +369,7 @@ def test_a_long_run_stops_at_the_time_limit_and_the_next_run_goes_on(
     staff, settings, monkeypatch
 ):
     settings.RECALL_CHUNK_SIZE = 2
-    monkeypatch.setattr("jobs.admin.ACTION_SECONDS", 0)  # stop after one chunk
+    monkeypatch.setattr("jobs.admin.job.ACTION_SECONDS", 0)  # stop after one chunk
     batch = make_batch(5)
     user, client = staff("oncall", "jobs.view_job", "jobs.cancel_job")
     url = f"{JOBS}?batch__id__exact={batch.pk}"

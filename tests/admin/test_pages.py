@@ -7,9 +7,10 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.utils import timezone
 
+from batches.admin_support import RECENT_BATCHES
 from batches.models import Batch, BatchItem
-from jobs.admin_support import RECENT_BATCHES
-from jobs.models import Event, Job, Lease
+from jobs import transitions
+from jobs.models import Event, Lease
 
 from ..factories import is_postgres, jobs_of, make_batch, snapshot
 from .conftest import JOBS, VIEW_ALL, act
@@ -33,7 +34,7 @@ def superuser_client(django_user_model, client):
 
 def _one_of_everything(worker, superuser_client) -> dict:
     batch = make_batch(2)
-    job = Job.objects.claim_next(worker, now=timezone.now())
+    job = transitions.claim_next(worker, now=timezone.now())
     act(superuser_client, "force_reclaim", [job.pk], confirm=True)
     return {
         "job": job.pk,
@@ -75,7 +76,7 @@ def test_no_one_adds_changes_or_deletes_state_rows(model, superuser_client, work
 
 def test_a_batch_edits_only_its_name_and_priority(superuser_client, worker):
     batch = make_batch(3)
-    Job.objects.claim_next(worker, now=timezone.now())
+    transitions.claim_next(worker, now=timezone.now())
     before = Batch.objects.filter(pk=batch.pk).values().get()
     url = f"/admin/batches/batch/{batch.pk}/change/"
 
@@ -107,11 +108,13 @@ def test_a_batch_edits_only_its_name_and_priority(superuser_client, worker):
 def test_batch_progress_comes_from_the_counters(superuser_client, worker):
     batch = make_batch(5)
     now = timezone.now()
-    done = Job.objects.claim_next(worker, now=now)
-    done.complete(done.lease_token, worker=worker, result={"text": "x"})
-    failed = Job.objects.claim_next(worker, now=now)
-    failed.fail(failed.lease_token, worker=worker, error="e", retryable=False)
-    Job.objects.claim_next(worker, now=now)
+    done = transitions.claim_next(worker, now=now)
+    transitions.complete(done, done.lease_token, worker=worker, result={"text": "x"})
+    failed = transitions.claim_next(worker, now=now)
+    transitions.fail(
+        failed, failed.lease_token, worker=worker, error="e", retryable=False
+    )
+    transitions.claim_next(worker, now=now)
     make_batch(1, name="other")
 
     listing = superuser_client.get("/admin/batches/batch/")
@@ -168,9 +171,9 @@ def test_batch_progress_comes_from_the_counters(superuser_client, worker):
 
 def test_a_jobs_page_shows_its_history_and_links(staff, worker, superuser_client):
     batch = make_batch(1)
-    job = Job.objects.claim_next(worker, now=timezone.now())
+    job = transitions.claim_next(worker, now=timezone.now())
     act(superuser_client, "force_reclaim", [job.pk], confirm=True)
-    again = Job.objects.claim_next(worker, now=timezone.now())
+    again = transitions.claim_next(worker, now=timezone.now())
     _, client = staff("viewer", *VIEW_ALL)
 
     page = client.get(f"{JOBS}{job.pk}/change/")
@@ -220,7 +223,7 @@ def _listed(client, url) -> list[int]:
 def test_search_finds_jobs_by_id_token_or_source(superuser_client, worker):
     batch = make_batch(3, name="talks")
     jobs = jobs_of(batch)
-    leased = Job.objects.claim_next(worker, now=timezone.now())
+    leased = transitions.claim_next(worker, now=timezone.now())
 
     assert _listed(superuser_client, f"{JOBS}?q={jobs[1].pk}") == [jobs[1].pk]
     assert _listed(superuser_client, f"{JOBS}?q={leased.lease_token}") == [leased.pk]
@@ -244,8 +247,8 @@ def test_filters_by_status_batch_worker_and_attempts(
 ):
     first, second = make_batch(3, name="first"), make_batch(2, name="second")
     now = timezone.now()
-    mine = Job.objects.claim_next(worker, now=now)
-    theirs = Job.objects.claim_next(other_worker, now=now)
+    mine = transitions.claim_next(worker, now=now)
+    theirs = transitions.claim_next(other_worker, now=now)
     ids = lambda batch: [j.pk for j in jobs_of(batch)]  # noqa: E731
 
     assert _listed(superuser_client, f"{JOBS}?status__exact=leased") == sorted(

@@ -8,7 +8,8 @@ from django.contrib.admin.models import LogEntry
 from django.utils import timezone
 
 from batches.models import BatchItem, ItemStatus
-from jobs.models import Event, Job
+from jobs import transitions
+from jobs.models import Event
 
 from ..factories import jobs_of, make_batch, snapshot
 from .conftest import JOBS, VIEW_ALL, WORKERS, act, messages_of, permission
@@ -28,9 +29,11 @@ def _every_kind_of_job(worker):
     (what reconciliation would heal): something for every action to change."""
     batch = make_batch(4)
     now = timezone.now()
-    Job.objects.claim_next(worker, now=now)
-    failed = Job.objects.claim_next(worker, now=now)
-    failed.fail(failed.lease_token, worker=worker, error="e", retryable=False)
+    transitions.claim_next(worker, now=now)
+    failed = transitions.claim_next(worker, now=now)
+    transitions.fail(
+        failed, failed.lease_token, worker=worker, error="e", retryable=False
+    )
     drifted = jobs_of(batch)[-1]
     BatchItem.objects.filter(pk=drifted.item_id).update(status=ItemStatus.DONE)
     return jobs_of(batch)
@@ -120,7 +123,7 @@ def test_users_who_are_not_staff_are_sent_to_the_login_page(django_user_model, c
 def test_worker_actions_need_their_permission(action, needs, staff, worker):
     others = {"jobs.disable_worker", "jobs.rotate_worker_token"} - {needs}
     _, client = staff("almost", "jobs.view_worker", "jobs.change_worker", *others)
-    worker.set_active(action != "enable_workers")
+    transitions.set_worker_active(worker, action != "enable_workers")
     before = list(type(worker).objects.values())
 
     page = client.get(WORKERS)

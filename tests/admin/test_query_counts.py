@@ -9,6 +9,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from jobs import transitions
 from jobs.models import Job, Lease
 
 from ..factories import make_batch, make_worker
@@ -41,11 +42,15 @@ def big(staff):
     leased = []
     for n in range(90):
         worker = workers[n % 20]
-        job = Job.objects.claim_next(worker, now=now)
+        job = transitions.claim_next(worker, now=now)
         if n % 3 == 0:
-            job.complete(job.lease_token, worker=worker, result={"text": "x"})
+            transitions.complete(
+                job, job.lease_token, worker=worker, result={"text": "x"}
+            )
         elif n % 3 == 1:
-            job.fail(job.lease_token, worker=worker, error="e", retryable=False)
+            transitions.fail(
+                job, job.lease_token, worker=worker, error="e", retryable=False
+            )
         else:
             leased.append(job.pk)
     _, client = staff("admin", *VIEW_ALL, *ACTION_PERMS)
@@ -109,7 +114,7 @@ def test_pages_render_in_a_fixed_number_of_queries(big, django_assert_max_num_qu
 
 def test_a_big_unfiltered_list_shows_an_estimate_instead_of_counting(big, monkeypatch):
     client, _ = big
-    monkeypatch.setattr("jobs.admin_support.ESTIMATE_ABOVE", 1_000)
+    monkeypatch.setattr("batches.admin_support.ESTIMATE_ABOVE", 1_000)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE jobs_job")
 

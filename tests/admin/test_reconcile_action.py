@@ -11,8 +11,9 @@ from django.contrib.contenttypes.models import ContentType
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem, ItemStatus
-from jobs.models import Event, Job, JobStatus, Lease, SweepState
-from jobs.sweep import LOCK_TTL
+from jobs import transitions
+from jobs.models import Event, Job, JobStatus, Lease
+from jobs.sweep import LOCK_TTL, acquire_lock
 
 from ..factories import assert_consistent, jobs_of, make_batch
 from .conftest import act
@@ -25,9 +26,9 @@ def _drift(worker, other_worker):
     with its job, and an open ledger row behind a job that is not leased."""
     now = timezone.now()
     batch = make_batch(4)
-    stray = Job.objects.claim_next(other_worker, now=now)
+    stray = transitions.claim_next(other_worker, now=now)
     # A claim reclaims expired leases first: this one is taken last.
-    expired = Job.objects.claim_next(worker, now=now - timedelta(minutes=5))
+    expired = transitions.claim_next(worker, now=now - timedelta(minutes=5))
     Job.objects.filter(pk=stray.pk).update(
         status=JobStatus.QUEUED, lease_token=None, leased_by=None, lease_expires_at=None
     )
@@ -149,7 +150,7 @@ def test_a_clean_database_reports_nothing_to_repair(staff):
 
 def test_a_run_while_a_sweep_is_reconciling_says_so(staff, worker, other_worker):
     _, expired, _, drifted = _drift(worker, other_worker)
-    SweepState.acquire("another-sweep", now=timezone.now(), ttl=LOCK_TTL)
+    acquire_lock("another-sweep", now=timezone.now(), ttl=LOCK_TTL)
     user, client = staff("oncall", "jobs.view_job", "jobs.run_reconcile")
 
     response = act(client, "run_reconcile", [expired.pk], confirm=True)

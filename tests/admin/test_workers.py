@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
 
-from jobs.models import Job, Worker, hash_token
+from jobs import transitions
+from jobs.models import Job, Worker
+from jobs.tokens import hash_token
 
 from ..factories import WorkerClient, make_batch, make_worker
 from .conftest import WORKERS, act, messages_of
@@ -50,7 +52,7 @@ def test_creating_a_worker_shows_its_token_once(staff):
     [(shown, token)] = response.context["tokens"]
     assert shown == worker
     assert token.encode() in response.content
-    assert Worker.objects.authenticate(token) == worker
+    assert transitions.authenticate_worker(token)[0] == worker
     assert worker.token_hash == hash_token(token)
     assert _api(worker, token).claim().status_code == 204
     entry = LogEntry.objects.get(user=user)
@@ -139,7 +141,7 @@ def test_disable_then_re_enable_take_effect_at_once_and_are_audited(staff, worke
 
 
 def test_disabling_a_disabled_worker_changes_nothing(staff, worker, other_worker):
-    worker.set_active(False)
+    transitions.set_worker_active(worker, False)
     user, client = staff("ops", "jobs.view_worker", "jobs.disable_worker")
     ids = [worker.pk, other_worker.pk]
 
@@ -168,7 +170,7 @@ def test_rotating_a_token_shows_the_new_one_once_and_the_old_one_stops(
 
     page = act(client, "rotate_tokens", [worker.pk], confirm=False, url=WORKERS)
     assert page.context["confirmation"].counts == [("Workers selected: new tokens", 1)]
-    assert Worker.objects.authenticate(old) == worker  # nothing rotated yet
+    assert transitions.authenticate_worker(old)[0] == worker  # nothing rotated yet
 
     response = act(client, "rotate_tokens", [worker.pk], confirm=True, url=WORKERS)
 
@@ -178,7 +180,7 @@ def test_rotating_a_token_shows_the_new_one_once_and_the_old_one_stops(
     assert (shown.pk, new != old) == (worker.pk, True)
     assert _error(api.post("/api/v1/claim", {}, token=old)) == (401, "unauthorized")
     assert api.post("/api/v1/claim", {}, token=new).status_code == 204
-    assert Worker.objects.authenticate(new) == worker
+    assert transitions.authenticate_worker(new)[0] == worker
     entry = LogEntry.objects.get(user=user)
     assert (entry.object_id, entry.change_message) == (
         str(worker.pk),

@@ -18,6 +18,7 @@ from batches.progress import (
     rate_per_second,
     window_seconds,
 )
+from jobs import transitions
 from jobs.models import Job
 
 from ..factories import T0, claim, later, make_batch
@@ -166,9 +167,13 @@ def _finish(worker, n, *, at, fail=False):
     for _ in range(n):
         job = claim(worker, now=at)
         if fail:
-            job.fail(job.lease_token, worker=worker, error="x", retryable=False, now=at)
+            transitions.fail(
+                job, job.lease_token, worker=worker, error="x", retryable=False, now=at
+            )
         else:
-            job.complete(job.lease_token, worker=worker, result={"text": "t"}, now=at)
+            transitions.complete(
+                job, job.lease_token, worker=worker, result={"text": "t"}, now=at
+            )
 
 
 @pytest.mark.django_db
@@ -247,7 +252,7 @@ def test_eta_only_counts_the_recent_window(worker):
 def test_paused_batch_has_no_eta(worker):
     batch = make_batch(10)
     _finish(worker, 5, at=later(30))
-    batch.pause(now=later(40))
+    transitions.pause_batch(batch, now=later(40))
 
     progress = progress_for(batch, now=later(60))
 
@@ -278,14 +283,14 @@ def test_stalled_when_in_flight_work_goes_silent(worker, settings):
     assert progress_for(batch, now=later(300)).state == BatchState.RUNNING
     assert progress_for(batch, now=later(301)).state == BatchState.STALLED
     job = Job.objects.get(status="leased")
-    job.heartbeat(job.lease_token, worker=worker, now=later(400))
+    transitions.heartbeat(job, job.lease_token, worker=worker, now=later(400))
     assert progress_for(batch, now=later(401)).state == BatchState.RUNNING
 
 
 @pytest.mark.django_db
 def test_cancelled_batch(worker):
     batch = make_batch(3)
-    Job.objects.cancel_batch(batch, now=T0)
+    transitions.cancel_batch(batch, now=T0)
 
     progress = progress_for(Batch.objects.get(pk=batch.pk), now=later(1))
 

@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 from playwright.sync_api import Page, expect
 
-from jobs.models import Worker
+from jobs import transitions
 
 from ..factories import make_user
 
@@ -23,7 +23,7 @@ class Api:
     """A worker talking to the live server over real HTTP."""
 
     def __init__(self, base: str):
-        _, self.token = Worker.objects.create_with_token("browser-test-worker")
+        _, self.token = transitions.create_worker("browser-test-worker")
         self.base = base
 
     def post(self, path: str, body: dict) -> tuple[int, dict | None]:

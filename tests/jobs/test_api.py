@@ -10,6 +10,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils import timezone
 
+from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, Worker
 
 from ..factories import jobs_of, make_batch, snapshot
@@ -223,7 +224,7 @@ def test_disabled_worker_is_403(api, worker):
 
 def test_a_rotated_token_stops_working_at_once(api, worker):
     old = worker.token
-    new = worker.rotate_token()
+    new = transitions.rotate_worker_token(worker)
 
     _error(api.post("/api/v1/claim", {}, token=old), 401, "unauthorized")
     assert api.post("/api/v1/claim", {}, token=new).status_code == 204

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from batches.models import Batch
-from jobs.models import Job, JobStatus, Lease, Worker
+from jobs import transitions
+from jobs.models import Job, JobStatus, Lease
 from recall_site.wsgi import application
 
 from ..factories import make_batch
@@ -41,12 +42,12 @@ def world(db, in_process):
     """A batch, two workers, live leases of both and some stale tokens."""
     Batch.objects.all().delete()
     make_batch(60, name="fuzz")
-    mine, token = Worker.objects.create_with_token("fuzzer")
-    other, _ = Worker.objects.create_with_token("someone-else")
+    mine, token = transitions.create_worker("fuzzer")
+    other, _ = transitions.create_worker("someone-else")
     for worker in (mine, mine, other, mine):
-        Job.objects.claim_next(worker)
+        transitions.claim_next(worker)
     stale = Job.objects.filter(status=JobStatus.LEASED, leased_by=mine).first()
-    stale.release(stale.lease_token, worker=mine)
+    transitions.release(stale, stale.lease_token, worker=mine)
     return {"token": token, "worker": mine}
 
 
@@ -64,7 +65,7 @@ def _steer(case, world) -> None:
         body["lease_token"] = tokens[len(token) % len(tokens)]
     # Keep a few live leases around for the next examples.
     if Job.objects.filter(status=JobStatus.LEASED).count() < 3:
-        Job.objects.claim_next(world["worker"])
+        transitions.claim_next(world["worker"])
 
 
 @schema.parametrize()

@@ -9,6 +9,7 @@ import pytest
 from django.db import DatabaseError
 
 from batches.models import Batch, BatchMinute
+from jobs import transitions
 from jobs.models import Job, JobStatus, Lease
 from jobs.reconcile import reconcile
 
@@ -38,7 +39,7 @@ def test_claim(write, worker):
     before = snapshot(*jobs)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job.objects.claim_next(worker, now=T0)
+        transitions.claim_next(worker, now=T0)
 
     assert snapshot(*jobs) == before
 
@@ -49,7 +50,9 @@ def test_complete(write, worker):
     before = snapshot(job)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        job.complete(job.lease_token, worker=worker, result={"text": "t"}, now=later(1))
+        transitions.complete(
+            job, job.lease_token, worker=worker, result={"text": "t"}, now=later(1)
+        )
 
     assert snapshot(job) == before
     assert not BatchMinute.objects.exists()
@@ -66,8 +69,13 @@ def test_fail(write, retryable, worker):
     before = snapshot(job)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        job.fail(
-            job.lease_token, worker=worker, error="e", retryable=retryable, now=later(1)
+        transitions.fail(
+            job,
+            job.lease_token,
+            worker=worker,
+            error="e",
+            retryable=retryable,
+            now=later(1),
         )
 
     assert snapshot(job) == before
@@ -79,7 +87,7 @@ def test_release(write, worker):
     before = snapshot(job)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        job.release(job.lease_token, worker=worker, now=later(1))
+        transitions.release(job, job.lease_token, worker=worker, now=later(1))
 
     assert snapshot(job) == before
 
@@ -91,7 +99,7 @@ def test_reclaim_expired_chunk(write, worker):
     before = snapshot(*jobs)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job.objects.reclaim_expired(now=later(61))
+        transitions.reclaim_expired(now=later(61))
 
     assert snapshot(*jobs) == before
     assert Job.objects.filter(batch=batch, status=JobStatus.LEASED).count() == 3
@@ -104,7 +112,7 @@ def test_reclaim_that_gives_up(write, worker, settings):
     before = snapshot(job)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job.objects.reclaim_expired(now=later(61))
+        transitions.reclaim_expired(now=later(61))
 
     assert snapshot(job) == before
 
@@ -115,7 +123,7 @@ def test_force_reclaim(write, worker):
     before = snapshot(job)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        job.force_reclaim(now=later(1))
+        transitions.force_reclaim(job, now=later(1))
 
     assert snapshot(job) == before
 
@@ -148,7 +156,7 @@ def test_reconcile_ledger_repair(write, worker):
     before = snapshot(job)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job(pk=job.pk).close_stray_leases(now=later(1))
+        transitions.close_stray_leases(job.pk, now=later(1))
 
     assert snapshot(job) == before
 
@@ -162,7 +170,7 @@ def test_batch_cancel_chunk(write, worker):
     before = snapshot(*jobs)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job.objects.cancel_batch_chunk(batch.pk, now=later(1))
+        transitions.cancel_batch_chunk(batch.pk, now=later(1))
 
     assert snapshot(*jobs) == before
 
@@ -172,13 +180,15 @@ def test_retry_failed_chunk(write, worker):
     batch = make_batch(2)
     for _ in range(2):
         job = claim(worker)
-        job.fail(job.lease_token, worker=worker, error="e", retryable=False, now=T0)
-    Batch.objects.settle(now=T0)
+        transitions.fail(
+            job, job.lease_token, worker=worker, error="e", retryable=False, now=T0
+        )
+    transitions.settle(now=T0)
     jobs = jobs_of(batch)
     before = snapshot(*jobs)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job.objects.filter(batch=batch).retry_failed(now=later(1))
+        transitions.retry_failed(Job.objects.filter(batch=batch), now=later(1))
 
     assert snapshot(*jobs) == before
 
@@ -191,7 +201,7 @@ def test_cancel_queued_chunk(write, worker):
     before = snapshot(*jobs)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job.objects.filter(batch=batch).cancel_queued(now=later(1))
+        transitions.cancel_queued(Job.objects.filter(batch=batch), now=later(1))
 
     assert snapshot(*jobs) == before
 
@@ -202,6 +212,6 @@ def test_bulk_force_reclaim_of_one_job(write, worker):
     before = snapshot(job)
 
     with failpoint(*write), pytest.raises(DatabaseError, match="failpoint"):
-        Job.objects.filter(pk=job.pk).force_reclaim(now=later(1))
+        transitions.force_reclaim_many(Job.objects.filter(pk=job.pk), now=later(1))
 
     assert snapshot(job) == before

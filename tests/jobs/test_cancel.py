@@ -3,6 +3,7 @@
 import pytest
 
 from batches.models import ItemStatus
+from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease
 
 from ..factories import (
@@ -26,7 +27,9 @@ def test_cancel_queued_cancels_jobs_items_and_counters_and_logs_each(
     leased = claim(worker)
     queued = [j for j in jobs_of(batch) if j.pk != leased.pk]
 
-    cancelled = Job.objects.filter(batch=batch).cancel_queued(actor=admin, now=later(1))
+    cancelled = transitions.cancel_queued(
+        Job.objects.filter(batch=batch), actor=admin, now=later(1)
+    )
 
     assert cancelled == 3
     for job in jobs_of(batch):
@@ -55,13 +58,17 @@ def test_cancel_queued_cancels_jobs_items_and_counters_and_logs_each(
 def test_cancel_queued_leaves_every_other_status_alone(worker):
     batch = make_batch(3)
     done = claim(worker)
-    done.complete(done.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    transitions.complete(
+        done, done.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
     failed = claim(worker)
-    failed.fail(failed.lease_token, worker=worker, error="e", retryable=False, now=T0)
+    transitions.fail(
+        failed, failed.lease_token, worker=worker, error="e", retryable=False, now=T0
+    )
     leased = claim(worker)
     before = snapshot(done, failed, leased)
 
-    assert Job.objects.filter(batch=batch).cancel_queued(now=later(1)) == 0
+    assert transitions.cancel_queued(Job.objects.filter(batch=batch), now=later(1)) == 0
 
     assert snapshot(done, failed, leased) == before
     assert not Event.objects.exists()
@@ -72,8 +79,10 @@ def test_cancel_queued_works_in_chunks_and_audits_each_chunk(settings):
     batch = make_batch(5)
     audited = []
 
-    cancelled = Job.objects.filter(batch=batch).cancel_queued(
-        now=later(1), audit=lambda jobs: audited.append([j.pk for j in jobs])
+    cancelled = transitions.cancel_queued(
+        Job.objects.filter(batch=batch),
+        now=later(1),
+        audit=lambda jobs: audited.append([j.pk for j in jobs]),
     )
 
     ids = [j.pk for j in jobs_of(batch)]
@@ -93,7 +102,9 @@ def test_an_audit_that_fails_undoes_its_chunk_only(settings):
             raise RuntimeError("audit store down")
 
     with pytest.raises(RuntimeError, match="audit store down"):
-        Job.objects.filter(batch=batch).cancel_queued(now=later(1), audit=audit)
+        transitions.cancel_queued(
+            Job.objects.filter(batch=batch), now=later(1), audit=audit
+        )
 
     assert [j.status for j in jobs_of(batch)] == [
         JobStatus.CANCELLED,
@@ -109,6 +120,6 @@ def test_a_single_job_cancel_refuses_a_job_that_is_not_queued(worker, batch):
     job = claim(worker)
     before = snapshot(job)
 
-    assert Job(pk=job.pk).cancel(now=later(1)) is False
+    assert transitions.cancel_job(job.pk, now=later(1)) is False
 
     assert snapshot(job) == before

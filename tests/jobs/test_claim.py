@@ -3,6 +3,7 @@ from datetime import timedelta
 import pytest
 
 from batches.models import Batch, BatchItem, ItemStatus
+from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
 
@@ -38,11 +39,11 @@ def test_each_claim_gets_a_different_job_with_a_fresh_token(worker, batch):
 
     assert [j.pk for j in jobs] == [j.pk for j in jobs_of(batch)]
     assert len({j.lease_token for j in jobs}) == 3
-    assert Job.objects.claim_next(worker, now=T0) is None
+    assert transitions.claim_next(worker, now=T0) is None
 
 
 def test_nothing_to_claim_returns_none(worker, db):
-    assert Job.objects.claim_next(worker, now=T0) is None
+    assert transitions.claim_next(worker, now=T0) is None
 
 
 def test_higher_priority_batch_first_then_older_batch(worker, db):
@@ -58,20 +59,20 @@ def test_higher_priority_batch_first_then_older_batch(worker, db):
 def test_paused_batch_is_skipped_until_resumed(worker, db):
     paused = make_batch(2, name="paused")
     other = make_batch(1, name="other")
-    paused.pause(now=T0)
+    transitions.pause_batch(paused, now=T0)
 
     assert claim(worker).batch_id == other.pk
-    assert Job.objects.claim_next(worker, now=T0) is None
+    assert transitions.claim_next(worker, now=T0) is None
 
-    paused.resume()
+    transitions.resume_batch(paused)
     assert claim(worker).batch_id == paused.pk
 
 
 def test_cancelled_batch_is_never_claimed(worker, db):
     batch = make_batch(2)
-    Job.objects.cancel_batch(batch, now=T0)
+    transitions.cancel_batch(batch, now=T0)
 
-    assert Job.objects.claim_next(worker, now=T0) is None
+    assert transitions.claim_next(worker, now=T0) is None
     assert batch.counts()["cancelled"] == 2
 
 
@@ -81,8 +82,8 @@ def test_job_in_backoff_waits_until_available(worker, batch, settings):
     Job.objects.filter(pk=job.pk).update(available_at=later(100))
 
     assert [claim(worker).pk for _ in range(2)] == [j.pk for j in jobs_of(batch)[1:]]
-    assert Job.objects.claim_next(worker, now=later(99)) is None
-    assert Job.objects.claim_next(worker, now=later(100)).pk == job.pk
+    assert transitions.claim_next(worker, now=later(99)) is None
+    assert transitions.claim_next(worker, now=later(100)).pk == job.pk
 
 
 def test_claim_reclaims_expired_leases_first(worker, other_worker, db):
@@ -90,7 +91,7 @@ def test_claim_reclaims_expired_leases_first(worker, other_worker, db):
     stale = claim(worker)
 
     # Before expiry nothing is claimable; after it, the claim reclaims first.
-    assert Job.objects.claim_next(other_worker, now=later(60)) is None
+    assert transitions.claim_next(other_worker, now=later(60)) is None
     again = claim(other_worker, now=later(61))
 
     assert again.pk == stale.pk
@@ -109,11 +110,13 @@ def test_claim_reclaims_expired_leases_first(worker, other_worker, db):
 def test_finished_batch_is_not_looked_at(worker, db):
     batch = make_batch(1)
     job = claim(worker)
-    job.complete(job.lease_token, worker=worker, result={"text": "x"}, now=T0)
-    assert Batch.objects.settle(now=T0) == 1
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
+    assert transitions.settle(now=T0) == 1
 
     assert Batch.objects.open().filter(pk=batch.pk).exists() is False
-    assert Job.objects.claim_next(worker, now=T0) is None
+    assert transitions.claim_next(worker, now=T0) is None
 
 
 def test_claim_heals_a_drifted_item_it_touches(worker, batch):
@@ -163,4 +166,4 @@ def test_job_with_no_attempts_left_is_not_claimed(worker, batch):
     claimed = [claim(worker).pk for _ in range(2)]
 
     assert first.pk not in claimed
-    assert Job.objects.claim_next(worker, now=T0) is None
+    assert transitions.claim_next(worker, now=T0) is None

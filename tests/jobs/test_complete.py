@@ -1,6 +1,7 @@
 import pytest
 
 from batches.models import BatchItem, ItemStatus
+from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
@@ -20,7 +21,7 @@ def test_complete_finishes_job_item_and_ledger_together(worker, batch):
     job = claim(worker)
     token = job.lease_token
 
-    job.complete(token, worker=worker, result=RESULT, now=later(30))
+    transitions.complete(job, token, worker=worker, result=RESULT, now=later(30))
 
     job.refresh_from_db()
     assert job.status == JobStatus.COMPLETED
@@ -40,11 +41,11 @@ def test_replaying_complete_with_the_same_token_succeeds_and_changes_nothing(
 ):
     job = claim(worker)
     token = job.lease_token
-    job.complete(token, worker=worker, result=RESULT, now=later(30))
+    transitions.complete(job, token, worker=worker, result=RESULT, now=later(30))
     before = snapshot(job)
 
-    Job(pk=job.pk).complete(
-        token, worker=worker, result={"text": "other"}, now=later(40)
+    transitions.complete(
+        job.pk, token, worker=worker, result={"text": "other"}, now=later(40)
     )
 
     assert snapshot(job) == before
@@ -55,14 +56,22 @@ def test_complete_with_a_different_token_after_completion_is_refused(
     worker, other_worker, batch
 ):
     job = claim(worker)
-    job.complete(job.lease_token, worker=worker, result=RESULT, now=later(30))
+    transitions.complete(
+        job, job.lease_token, worker=worker, result=RESULT, now=later(30)
+    )
     before = snapshot(job)
 
     with pytest.raises(LeaseLost):
-        Job(pk=job.pk).complete("guess", worker=worker, result=RESULT, now=later(31))
+        transitions.complete(
+            job.pk, "guess", worker=worker, result=RESULT, now=later(31)
+        )
     with pytest.raises(LeaseLost):  # the right token, the wrong worker
-        Job(pk=job.pk).complete(
-            job.lease_token or "", worker=other_worker, result=RESULT, now=later(31)
+        transitions.complete(
+            job.pk,
+            job.lease_token or "",
+            worker=other_worker,
+            result=RESULT,
+            now=later(31),
         )
 
     assert snapshot(job) == before
@@ -72,17 +81,19 @@ def test_a_stale_worker_cannot_complete_after_reclaim(worker, other_worker, db):
     make_batch(1)
     job = claim(worker)
     stale_token = job.lease_token
-    Job.objects.reclaim_expired(now=later(61))
+    transitions.reclaim_expired(now=later(61))
     fresh = claim(other_worker, now=later(62))
     before = snapshot(job)
 
     with pytest.raises(LeaseLost):
-        Job(pk=job.pk).complete(
-            stale_token, worker=worker, result=RESULT, now=later(63)
+        transitions.complete(
+            job.pk, stale_token, worker=worker, result=RESULT, now=later(63)
         )
 
     assert snapshot(job) == before
-    fresh.complete(fresh.lease_token, worker=other_worker, result=RESULT, now=later(64))
+    transitions.complete(
+        fresh, fresh.lease_token, worker=other_worker, result=RESULT, now=later(64)
+    )
     assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
     assert Lease.objects.filter(job=job, end_reason=LeaseEnd.COMPLETED).count() == 1
     assert_consistent(later(64))
@@ -93,8 +104,8 @@ def test_worker_b_cannot_complete_worker_a_job(worker, other_worker, batch):
     before = snapshot(job)
 
     with pytest.raises(LeaseLost):
-        Job(pk=job.pk).complete(
-            job.lease_token, worker=other_worker, result=RESULT, now=later(5)
+        transitions.complete(
+            job.pk, job.lease_token, worker=other_worker, result=RESULT, now=later(5)
         )
 
     assert snapshot(job) == before
@@ -103,10 +114,12 @@ def test_worker_b_cannot_complete_worker_a_job(worker, other_worker, batch):
 def test_complete_after_expiry_but_before_reclaim_is_accepted(worker, batch):
     job = claim(worker)
 
-    job.complete(job.lease_token, worker=worker, result=RESULT, now=later(600))
+    transitions.complete(
+        job, job.lease_token, worker=worker, result=RESULT, now=later(600)
+    )
 
     assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
-    assert Job.objects.reclaim_expired(now=later(601)) == {"requeued": 0, "failed": 0}
+    assert transitions.reclaim_expired(now=later(601)) == {"requeued": 0, "failed": 0}
 
 
 def test_complete_heals_a_drifted_item(worker, batch):
@@ -114,7 +127,9 @@ def test_complete_heals_a_drifted_item(worker, batch):
     job = claim(worker)
     BatchItem.objects.filter(pk=job.item_id).update(status=ItemStatus.QUEUED)
 
-    job.complete(job.lease_token, worker=worker, result=RESULT, now=later(5))
+    transitions.complete(
+        job, job.lease_token, worker=worker, result=RESULT, now=later(5)
+    )
 
     assert BatchItem.objects.get(pk=job.item_id).status == ItemStatus.DONE
     repair = Event.objects.repairs().get(job=job)
@@ -129,7 +144,7 @@ def test_complete_writes_the_missing_ledger_row_of_its_lease(worker, batch):
     token = job.lease_token
     Lease.objects.filter(token=token).delete()
 
-    job.complete(token, worker=worker, result=RESULT, now=later(5))
+    transitions.complete(job, token, worker=worker, result=RESULT, now=later(5))
 
     lease = Lease.objects.get(token=token)
     assert (lease.ended_at, lease.end_reason) == (later(5), LeaseEnd.COMPLETED)

@@ -12,9 +12,11 @@ from collections import Counter
 import pytest
 from django.db import connections
 
+from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
+from jobs.transitions.statements import RECLAIM_GATE_KEY
 
 from ..factories import assert_consistent, later, make_batch, make_worker
 
@@ -54,7 +56,7 @@ def test_concurrent_claims_never_hand_out_the_same_job():
     def claim_until_empty(i, barrier):
         barrier.wait()
         mine = []
-        while (job := Job.objects.claim_next(workers[i], now=later(1))) is not None:
+        while (job := transitions.claim_next(workers[i], now=later(1))) is not None:
             mine.append((job.pk, job.lease_token))
         return mine
 
@@ -75,8 +77,9 @@ def test_concurrent_workers_drain_a_batch_exactly_once():
     def work(i, barrier):
         barrier.wait()
         done = 0
-        while (job := Job.objects.claim_next(workers[i], now=later(1))) is not None:
-            job.complete(
+        while (job := transitions.claim_next(workers[i], now=later(1))) is not None:
+            transitions.complete(
+                job,
                 job.lease_token,
                 worker=workers[i],
                 result={"text": str(job.pk)},
@@ -100,7 +103,7 @@ def test_two_sweeps_at_once_reclaim_each_lease_exactly_once(settings):
     settings.RECALL_CHUNK_SIZE = 10  # many small transactions to interleave
     make_batch(150)
     worker = make_worker("dead")
-    while Job.objects.claim_next(worker, now=later(0)):
+    while transitions.claim_next(worker, now=later(0)):
         pass
 
     def sweep_once(i, barrier):
@@ -121,7 +124,7 @@ def test_completion_racing_reclaim_has_exactly_one_winner_per_job():
     batch = make_batch(60)
     worker = make_worker("slow")
     leased = []
-    while (job := Job.objects.claim_next(worker, now=later(0))) is not None:
+    while (job := transitions.claim_next(worker, now=later(0))) is not None:
         leased.append((job.pk, job.lease_token))
 
     def complete_all(barrier):
@@ -129,8 +132,8 @@ def test_completion_racing_reclaim_has_exactly_one_winner_per_job():
         won = set()
         for job_id, token in leased:
             try:
-                Job(pk=job_id).complete(
-                    token, worker=worker, result={"text": "x"}, now=later(70)
+                transitions.complete(
+                    job_id, token, worker=worker, result={"text": "x"}, now=later(70)
                 )
                 won.add(job_id)
             except LeaseLost:
@@ -141,7 +144,7 @@ def test_completion_racing_reclaim_has_exactly_one_winner_per_job():
         barrier.wait()
         total = 0
         for _ in range(60):
-            total += Job.objects.reclaim_expired(now=later(70), limit=1)["requeued"]
+            total += transitions.reclaim_expired(now=later(70), limit=1)["requeued"]
         return total
 
     completed, reclaimed = run_threads(
@@ -158,11 +161,11 @@ def test_completion_racing_reclaim_has_exactly_one_winner_per_job():
 
 @pytest.mark.postgres
 def test_a_claim_does_not_queue_behind_another_reclaimer_but_a_sweep_does():
-    from jobs.pgsql import RECLAIM_GATE_KEY
-
+    if transitions.backend().name != "postgres":
+        pytest.skip("the reclaim gate belongs to the PostgreSQL statement backend")
     make_batch(2)
     worker = make_worker("w")
-    stale = Job.objects.claim_next(worker, now=later(0))
+    stale = transitions.claim_next(worker, now=later(0))
     holding, release = threading.Event(), threading.Event()
 
     def another_reclaimer(i, barrier):
@@ -180,7 +183,7 @@ def test_a_claim_does_not_queue_behind_another_reclaimer_but_a_sweep_does():
     try:
         # The claim does not wait: it takes the other job, the expired lease is
         # left to whoever holds the gate.
-        job = Job.objects.claim_next(worker, now=later(61))
+        job = transitions.claim_next(worker, now=later(61))
         assert job is not None and job.pk != stale.pk
         assert Job.objects.get(pk=stale.pk).status == JobStatus.LEASED
 
@@ -189,7 +192,7 @@ def test_a_claim_does_not_queue_behind_another_reclaimer_but_a_sweep_does():
 
         def sweep_when_free():
             try:
-                swept.append(Job.objects.reclaim_expired(now=later(62)))
+                swept.append(transitions.reclaim_expired(now=later(62)))
             finally:
                 connections.close_all()
 

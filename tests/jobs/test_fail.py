@@ -3,8 +3,10 @@ from datetime import timedelta
 import pytest
 
 from batches.models import ItemStatus
+from jobs import transitions
 from jobs.exceptions import LeaseLost
-from jobs.models import MAX_ERROR_CHARS, Job, JobStatus, Lease, LeaseEnd
+from jobs.models import Job, JobStatus, Lease, LeaseEnd
+from jobs.transitions.rules import MAX_ERROR_CHARS
 
 from ..factories import T0, assert_consistent, claim, later, make_batch, snapshot
 
@@ -15,7 +17,9 @@ def test_retryable_failure_queues_again_with_backoff(worker, batch):
     job = claim(worker)
     token = job.lease_token
 
-    status = job.fail(token, worker=worker, error="CUDA out of memory", now=later(10))
+    status = transitions.fail(
+        job, token, worker=worker, error="CUDA out of memory", now=later(10)
+    )
 
     assert status == JobStatus.QUEUED
     job.refresh_from_db()
@@ -42,7 +46,8 @@ def test_backoff_doubles_per_attempt_and_is_capped(worker, db, settings):
     t, delays = 0, []
     for _ in range(4):
         job = claim(worker, now=later(t))
-        job.fail(job.lease_token, worker=worker, error="x", now=later(t))
+        transitions.fail(job, job.lease_token, worker=worker, error="x", now=later(t))
+        job.refresh_from_db()
         delays.append((job.available_at - later(t)).total_seconds())
         t = (job.available_at - T0).total_seconds()
 
@@ -52,7 +57,7 @@ def test_backoff_doubles_per_attempt_and_is_capped(worker, db, settings):
 def test_zero_backoff_retries_at_once(worker, batch, settings):
     settings.RECALL_RETRY_BACKOFF_SECONDS = 0
     job = claim(worker)
-    job.fail(job.lease_token, worker=worker, error="x", now=later(10))
+    transitions.fail(job, job.lease_token, worker=worker, error="x", now=later(10))
 
     assert Job.objects.get(pk=job.pk).available_at == later(10)
     assert claim(worker, now=later(10)).pk == job.pk
@@ -62,7 +67,8 @@ def test_last_attempt_fails_for_good(worker, db):
     batch = make_batch(1)
     for attempt in (1, 2, 3):
         job = claim(worker, now=later(1000 * attempt))
-        status = job.fail(
+        status = transitions.fail(
+            job,
             job.lease_token,
             worker=worker,
             error=f"e{attempt}",
@@ -86,8 +92,8 @@ def test_last_attempt_fails_for_good(worker, db):
 def test_non_retryable_failure_fails_at_once(worker, batch):
     job = claim(worker)
 
-    status = job.fail(
-        job.lease_token, worker=worker, error="not audio", retryable=False, now=T0
+    status = transitions.fail(
+        job, job.lease_token, worker=worker, error="not audio", retryable=False, now=T0
     )
 
     assert status == JobStatus.FAILED
@@ -99,7 +105,9 @@ def test_a_long_error_is_kept_truncated_not_refused(worker, batch):
     job = claim(worker)
     error = "traceback line\n" * 5000  # 75,000 characters
 
-    job.fail(job.lease_token, worker=worker, error=error, retryable=False, now=T0)
+    transitions.fail(
+        job, job.lease_token, worker=worker, error=error, retryable=False, now=T0
+    )
 
     job.refresh_from_db()
     assert len(job.last_error) == MAX_ERROR_CHARS
@@ -113,8 +121,10 @@ def test_fail_without_the_live_lease_changes_nothing(worker, other_worker, batch
     before = snapshot(job)
 
     with pytest.raises(LeaseLost):
-        Job(pk=job.pk).fail(job.lease_token, worker=other_worker, error="x", now=T0)
+        transitions.fail(
+            job.pk, job.lease_token, worker=other_worker, error="x", now=T0
+        )
     with pytest.raises(LeaseLost):
-        Job(pk=job.pk).fail("stale", worker=worker, error="x", now=T0)
+        transitions.fail(job.pk, "stale", worker=worker, error="x", now=T0)
 
     assert snapshot(job) == before

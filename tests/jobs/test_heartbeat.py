@@ -2,6 +2,7 @@ from datetime import timedelta
 
 import pytest
 
+from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import Job, Lease
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.django_db
 def test_heartbeat_extends_the_lease_from_now(worker, batch):
     job = claim(worker)
 
-    expires = job.heartbeat(job.lease_token, worker=worker, now=later(50))
+    expires = transitions.heartbeat(job, job.lease_token, worker=worker, now=later(50))
 
     assert expires == later(50) + timedelta(seconds=60)
     job.refresh_from_db()
@@ -29,8 +30,8 @@ def test_heartbeat_extends_the_lease_from_now(worker, batch):
 def test_heartbeats_keep_a_long_job_alive_through_sweeps(worker, batch):
     job = claim(worker)
     for t in range(30, 400, 30):
-        job.heartbeat(job.lease_token, worker=worker, now=later(t))
-        assert Job.objects.reclaim_expired(now=later(t + 1)) == {
+        transitions.heartbeat(job, job.lease_token, worker=worker, now=later(t))
+        assert transitions.reclaim_expired(now=later(t + 1)) == {
             "requeued": 0,
             "failed": 0,
         }
@@ -40,7 +41,7 @@ def test_heartbeats_keep_a_long_job_alive_through_sweeps(worker, batch):
 def test_an_expired_lease_is_still_live_until_reclaimed(worker, batch):
     job = claim(worker)
 
-    expires = job.heartbeat(job.lease_token, worker=worker, now=later(500))
+    expires = transitions.heartbeat(job, job.lease_token, worker=worker, now=later(500))
 
     assert expires == later(560)
     assert Job.objects.get(pk=job.pk).lease_expires_at == later(560)
@@ -60,14 +61,16 @@ def test_heartbeat_without_the_live_lease_is_refused_and_changes_nothing(
     elif case == "other worker":
         caller = other_worker
     elif case == "reclaimed":
-        assert Job.objects.reclaim_expired(now=later(61))["requeued"] == 1
+        assert transitions.reclaim_expired(now=later(61))["requeued"] == 1
     elif case == "completed":
-        job.complete(token, worker=worker, result={"text": "done"}, now=later(1))
+        transitions.complete(
+            job, token, worker=worker, result={"text": "done"}, now=later(1)
+        )
     before = snapshot(job)
 
     with pytest.raises(
         LeaseLost, match="is not leased to this worker under this token"
     ):
-        Job(pk=job.pk).heartbeat(token, worker=caller, now=later(70))
+        transitions.heartbeat(job.pk, token, worker=caller, now=later(70))
 
     assert snapshot(job) == before

@@ -1,6 +1,7 @@
 import pytest
 
 from batches.models import Batch, BatchItem, ItemStatus
+from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
 
@@ -21,7 +22,7 @@ def test_reclaim_requeues_expired_leases_with_item_and_ledger(worker, batch):
     expired = claim(worker)
     alive = claim(worker, now=later(30))
 
-    report = Job.objects.reclaim_expired(now=later(61))
+    report = transitions.reclaim_expired(now=later(61))
 
     assert report == {"requeued": 1, "failed": 0}
     expired.refresh_from_db()
@@ -45,7 +46,7 @@ def test_a_job_that_used_its_last_attempt_fails_instead(worker, db):
     batch = make_batch(1)
     for attempt in (1, 2, 3):
         claim(worker, now=later(100 * attempt))
-        Job.objects.reclaim_expired(now=later(100 * attempt + 61))
+        transitions.reclaim_expired(now=later(100 * attempt + 61))
 
     job = jobs_of(batch)[0]
     assert (job.status, job.attempts) == (JobStatus.FAILED, 3)
@@ -66,12 +67,12 @@ def test_reclaim_is_bounded_by_its_limit(worker, db):
     for _ in range(5):
         claim(worker)
 
-    assert Job.objects.reclaim_expired(now=later(61), limit=2) == {
+    assert transitions.reclaim_expired(now=later(61), limit=2) == {
         "requeued": 2,
         "failed": 0,
     }
     assert Job.objects.filter(status=JobStatus.LEASED).count() == 3
-    assert Job.objects.reclaim_expired(now=later(61)) == {"requeued": 3, "failed": 0}
+    assert transitions.reclaim_expired(now=later(61)) == {"requeued": 3, "failed": 0}
 
 
 def test_reclaim_works_in_chunks(worker, db, settings):
@@ -80,7 +81,7 @@ def test_reclaim_works_in_chunks(worker, db, settings):
     for _ in range(5):
         claim(worker)
 
-    assert Job.objects.reclaim_expired(now=later(61)) == {"requeued": 5, "failed": 0}
+    assert transitions.reclaim_expired(now=later(61)) == {"requeued": 5, "failed": 0}
     assert_consistent(later(61))
 
 
@@ -90,7 +91,7 @@ def test_force_reclaim_ends_a_live_lease_and_fences_the_worker(
     job = claim(worker)
     token = job.lease_token
 
-    assert Job(pk=job.pk).force_reclaim(now=later(5)) is True
+    assert transitions.force_reclaim(job.pk, now=later(5)) is True
 
     job.refresh_from_db()
     assert (job.status, job.attempts) == (JobStatus.QUEUED, 0)
@@ -102,7 +103,7 @@ def test_force_reclaim_ends_a_live_lease_and_fences_the_worker(
     from jobs.exceptions import LeaseLost
 
     with pytest.raises(LeaseLost):
-        Job(pk=job.pk).heartbeat(token, worker=worker, now=later(6))
+        transitions.heartbeat(job.pk, token, worker=worker, now=later(6))
     assert claim(other_worker, now=later(6)).pk == job.pk
     assert_consistent(later(6))
 
@@ -111,7 +112,7 @@ def test_force_reclaim_of_a_job_that_is_not_leased_does_nothing(worker, batch):
     job = jobs_of(batch)[0]
     before = snapshot(job)
 
-    assert Job(pk=job.pk).force_reclaim(now=T0) is False
+    assert transitions.force_reclaim(job.pk, now=T0) is False
 
     assert snapshot(job) == before
 
@@ -122,10 +123,12 @@ def test_retry_failed_queues_again_with_fresh_attempts_and_reopens_the_batch(
     batch = make_batch(2)
     for _ in range(2):
         job = claim(worker)
-        job.fail(job.lease_token, worker=worker, error="bad", retryable=False, now=T0)
-    assert Batch.objects.settle(now=T0) == 1
+        transitions.fail(
+            job, job.lease_token, worker=worker, error="bad", retryable=False, now=T0
+        )
+    assert transitions.settle(now=T0) == 1
 
-    assert Job.objects.filter(batch=batch).retry_failed(now=later(1)) == 2
+    assert transitions.retry_failed(Job.objects.filter(batch=batch), now=later(1)) == 2
 
     assert set(Job.objects.filter(batch=batch).values_list("status", "attempts")) == {
         (JobStatus.QUEUED, 0)
@@ -140,10 +143,12 @@ def test_retry_failed_queues_again_with_fresh_attempts_and_reopens_the_batch(
 def test_retry_leaves_failed_jobs_of_a_cancelled_batch_alone(worker, db):
     batch = make_batch(2)
     job = claim(worker)
-    job.fail(job.lease_token, worker=worker, error="bad", retryable=False, now=T0)
-    Job.objects.cancel_batch(batch, now=T0)
+    transitions.fail(
+        job, job.lease_token, worker=worker, error="bad", retryable=False, now=T0
+    )
+    transitions.cancel_batch(batch, now=T0)
 
-    assert Job.objects.filter(batch=batch).retry_failed(now=later(1)) == 0
+    assert transitions.retry_failed(Job.objects.filter(batch=batch), now=later(1)) == 0
     assert Job.objects.get(pk=job.pk).status == JobStatus.FAILED
 
 
@@ -154,12 +159,17 @@ def test_bulk_force_reclaim_ends_each_live_lease_and_skips_the_rest(
     batch = make_batch(4)
     first, second = claim(worker), claim(other_worker)
     done = claim(worker)
-    done.complete(done.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    transitions.complete(
+        done, done.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
     tokens = {first.pk: first.lease_token, second.pk: second.lease_token}
     audited = []
 
-    reclaimed = Job.objects.filter(batch=batch).force_reclaim(
-        actor=admin, now=later(5), audit=lambda jobs: audited.extend(jobs)
+    reclaimed = transitions.force_reclaim_many(
+        Job.objects.filter(batch=batch),
+        actor=admin,
+        now=later(5),
+        audit=lambda jobs: audited.extend(jobs),
     )
 
     assert reclaimed == 2
@@ -193,7 +203,7 @@ def test_bulk_force_reclaim_pages_through_large_selections(worker, settings):
     for _ in range(5):
         claim(worker)
 
-    assert Job.objects.all().force_reclaim(now=later(1)) == 5
+    assert transitions.force_reclaim_many(Job.objects.all(), now=later(1)) == 5
     assert not Job.objects.filter(status=JobStatus.LEASED).exists()
     assert_consistent(later(1))
 
@@ -203,7 +213,7 @@ def test_reclaim_heals_a_drifted_item_and_still_reclaims_the_rest(worker, batch)
     drifted, clean = claim(worker), claim(worker)
     BatchItem.objects.filter(pk=drifted.item_id).update(status=ItemStatus.DONE)
 
-    report = Job.objects.reclaim_expired(now=later(61))
+    report = transitions.reclaim_expired(now=later(61))
 
     assert report == {"requeued": 2, "failed": 0}
     for job in (drifted, clean):
@@ -221,7 +231,7 @@ def test_reclaim_writes_the_missing_ledger_row_of_an_expired_lease(worker, batch
     job = claim(worker)
     Lease.objects.filter(token=job.lease_token).delete()
 
-    Job.objects.reclaim_expired(now=later(61))
+    transitions.reclaim_expired(now=later(61))
 
     lease = Lease.objects.get(job=job)
     assert (lease.end_reason, lease.ended_at) == (LeaseEnd.EXPIRED, later(61))
@@ -233,7 +243,7 @@ def test_reclaim_of_a_filtered_queryset_touches_only_its_jobs(worker, db):
     mine, other = make_batch(1, name="mine"), make_batch(1, name="other")
     a, b = claim(worker), claim(worker)
 
-    Job.objects.filter(batch=mine).reclaim_expired(now=later(61))
+    transitions.reclaim_expired(now=later(61), among=Job.objects.filter(batch=mine))
 
     assert Job.objects.get(pk=a.pk).status == JobStatus.QUEUED
     assert Job.objects.get(pk=b.pk).status == JobStatus.LEASED

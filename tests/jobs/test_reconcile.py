@@ -4,8 +4,9 @@ and counted, and that a consistent database is left alone."""
 import pytest
 
 from batches.models import Batch, BatchCounter, BatchItem, ItemStatus
-from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd, SweepState
-from jobs.reconcile import reconcile, reconcile_on_claim
+from jobs import transitions
+from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
+from jobs.reconcile import reconcile, sweep_state
 from jobs.sweep import sweep
 
 from ..factories import T0, assert_consistent, claim, jobs_of, later, make_batch
@@ -21,7 +22,9 @@ def _set_job(job, **fields):
 
 def test_a_consistent_database_needs_no_repair(worker, batch):
     job = claim(worker)
-    job.complete(job.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
     claim(worker)
 
     report = reconcile(now=T0, recount=True)
@@ -33,16 +36,20 @@ def test_a_consistent_database_needs_no_repair(worker, batch):
 
 def _completed(worker, job):
     job = claim(worker)
-    job.complete(job.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
 
 
 def _failed(worker, job):
     job = claim(worker)
-    job.fail(job.lease_token, worker=worker, error="e", retryable=False, now=T0)
+    transitions.fail(
+        job, job.lease_token, worker=worker, error="e", retryable=False, now=T0
+    )
 
 
 def _cancelled(worker, job):
-    job.cancel(now=T0)
+    transitions.cancel_job(job, now=T0)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +101,7 @@ def test_open_ledger_row_without_a_live_lease_is_closed(worker, batch):
     # The job was requeued behind Recall's back; its ledger row stayed open.
     _set_job(job, status=JobStatus.QUEUED, **NO_LEASE)
     BatchItem.objects.filter(pk=job.item_id).update(status=ItemStatus.QUEUED)
-    BatchCounter.objects.recount(batch.pk)
+    transitions.recount(batch.pk)
 
     report = reconcile(now=later(1))
 
@@ -156,15 +163,15 @@ def test_claims_finish_an_interrupted_cancel_after_a_grace_period(worker, db):
     batch = make_batch(3)
     Batch.objects.filter(pk=batch.pk).update(cancelled_at=T0)
 
-    assert reconcile_on_claim(now=later(10)).cancels_finished == 0  # still in grace
-    assert reconcile_on_claim(now=later(31)).cancels_finished == 3
+    assert transitions.finish_interrupted_cancel(now=later(10)) == 0  # still in grace
+    assert transitions.finish_interrupted_cancel(now=later(31)) == 3
     assert batch.counts()["cancelled"] == 3
 
 
 def test_finished_batch_with_unfinished_work_is_reopened(worker, db):
     batch = make_batch(2)
     Batch.objects.filter(pk=batch.pk).update(finished_at=T0)
-    assert Job.objects.claim_next(worker, now=T0) is None  # stranded
+    assert transitions.claim_next(worker, now=T0) is None  # stranded
 
     report = reconcile(now=later(1))
 
@@ -197,7 +204,7 @@ def test_the_sweep_scan_is_bounded_and_resumes_where_it_stopped(
     third = reconcile(now=T0, scan_budget=2)
 
     assert [r.items_healed for r in (first, second, third)] == [0, 0, 1]
-    assert SweepState.get().scan_cursor == 0  # wrapped around
+    assert sweep_state().scan_cursor == 0  # wrapped around
     assert_consistent()
 
 
@@ -213,7 +220,7 @@ def test_sweep_reports_what_it_did(worker, batch):
     assert report["reconcile"]["items_healed"] == 1
     assert report["reconcile"]["counters_fixed"] == 1
     assert report["batches_finished"] == 0
-    state = SweepState.get()
+    state = sweep_state()
     assert state.last_started_at == later(61)
     assert state.last_report == report
     assert_consistent(later(61))

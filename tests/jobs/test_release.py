@@ -1,8 +1,9 @@
 import pytest
 
 from batches.models import ItemStatus
+from jobs import transitions
 from jobs.exceptions import LeaseLost
-from jobs.models import Job, JobStatus, Lease, LeaseEnd
+from jobs.models import JobStatus, Lease, LeaseEnd
 
 from ..factories import assert_consistent, claim, later, snapshot
 
@@ -15,7 +16,7 @@ def test_release_queues_at_once_without_counting_the_attempt(
     job = claim(worker)
     token = job.lease_token
 
-    job.release(token, worker=worker, now=later(5))
+    transitions.release(job, token, worker=worker, now=later(5))
 
     job.refresh_from_db()
     assert (job.status, job.attempts, job.available_at) == (
@@ -39,10 +40,10 @@ def test_release_queues_at_once_without_counting_the_attempt(
 def test_release_without_the_live_lease_changes_nothing(worker, other_worker, batch):
     job = claim(worker)
     token = job.lease_token
-    job.release(token, worker=worker, now=later(1))
+    transitions.release(job, token, worker=worker, now=later(1))
     before = snapshot(job)
 
     with pytest.raises(LeaseLost):
-        Job(pk=job.pk).release(token, worker=worker, now=later(2))
+        transitions.release(job.pk, token, worker=worker, now=later(2))
 
     assert snapshot(job) == before

@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 )
 
 from batches.models import Batch
+from jobs import transitions
 from jobs.checks import find_violations
 from jobs.exceptions import LeaseLost
 from jobs.models import (
@@ -51,9 +52,7 @@ class LeaseLifecycle(RuleBasedStateMachine):
         Worker.objects.all().delete()
         self.now = T0
         self.batch = make_batch(ITEMS, now=T0)
-        self.workers = [
-            Worker.objects.create_with_token(f"w{i}")[0] for i in range(WORKERS)
-        ]
+        self.workers = [transitions.create_worker(f"w{i}")[0] for i in range(WORKERS)]
         self.tokens: list[
             tuple[int, int, str]
         ] = []  # (job, worker, token) ever handed out
@@ -87,7 +86,7 @@ class LeaseLifecycle(RuleBasedStateMachine):
     @rule(w=st.integers(0, WORKERS - 1))
     def claim(self, w):
         worker = self.workers[w]
-        job = Job.objects.claim_next(worker, now=self.now)
+        job = transitions.claim_next(worker, now=self.now)
         if job is not None:
             assert job.status == JobStatus.LEASED and job.leased_by_id == worker.pk
             assert job.attempts <= job.max_attempts
@@ -99,11 +98,11 @@ class LeaseLifecycle(RuleBasedStateMachine):
         job_id, worker, token = self._pick(data)
         live = self._live(job_id, worker, token)
         if live:
-            expires = Job(pk=job_id).heartbeat(token, worker=worker, now=self.now)
+            expires = transitions.heartbeat(job_id, token, worker=worker, now=self.now)
             assert expires == self.now + timedelta(seconds=60)
         else:
             with pytest.raises(LeaseLost):
-                Job(pk=job_id).heartbeat(token, worker=worker, now=self.now)
+                transitions.heartbeat(job_id, token, worker=worker, now=self.now)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -114,14 +113,14 @@ class LeaseLifecycle(RuleBasedStateMachine):
             token=token, worker=worker, end_reason=LeaseEnd.COMPLETED
         ).exists()
         if live or replay:
-            Job(pk=job_id).complete(
-                token, worker=worker, result={"text": "t"}, now=self.now
+            transitions.complete(
+                job_id, token, worker=worker, result={"text": "t"}, now=self.now
             )
             assert Job.objects.get(pk=job_id).status == JobStatus.COMPLETED
         else:
             with pytest.raises(LeaseLost):
-                Job(pk=job_id).complete(
-                    token, worker=worker, result={"text": "t"}, now=self.now
+                transitions.complete(
+                    job_id, token, worker=worker, result={"text": "t"}, now=self.now
                 )
 
     @precondition(lambda self: self.tokens)
@@ -130,14 +129,19 @@ class LeaseLifecycle(RuleBasedStateMachine):
         job_id, worker, token = self._pick(data)
         if self._live(job_id, worker, token):
             attempts = Job.objects.get(pk=job_id).attempts
-            status = Job(pk=job_id).fail(
-                token, worker=worker, error="e", retryable=retryable, now=self.now
+            status = transitions.fail(
+                job_id,
+                token,
+                worker=worker,
+                error="e",
+                retryable=retryable,
+                now=self.now,
             )
             expected = "queued" if retryable and attempts < 3 else "failed"
             assert status == expected
         else:
             with pytest.raises(LeaseLost):
-                Job(pk=job_id).fail(token, worker=worker, error="e", now=self.now)
+                transitions.fail(job_id, token, worker=worker, error="e", now=self.now)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -145,12 +149,12 @@ class LeaseLifecycle(RuleBasedStateMachine):
         job_id, worker, token = self._pick(data)
         if self._live(job_id, worker, token):
             attempts = Job.objects.get(pk=job_id).attempts
-            Job(pk=job_id).release(token, worker=worker, now=self.now)
+            transitions.release(job_id, token, worker=worker, now=self.now)
             job = Job.objects.get(pk=job_id)
             assert (job.status, job.attempts) == (JobStatus.QUEUED, attempts - 1)
         else:
             with pytest.raises(LeaseLost):
-                Job(pk=job_id).release(token, worker=worker, now=self.now)
+                transitions.release(job_id, token, worker=worker, now=self.now)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), w=st.integers(0, WORKERS - 1))
@@ -161,9 +165,9 @@ class LeaseLifecycle(RuleBasedStateMachine):
         job_id, _, token = picked
         before = list(Job.objects.filter(pk=job_id).values())
         with pytest.raises(LeaseLost):
-            Job(pk=job_id).heartbeat(token, worker=self.workers[w], now=self.now)
+            transitions.heartbeat(job_id, token, worker=self.workers[w], now=self.now)
         with pytest.raises(LeaseLost):
-            Job(pk=job_id).release(token, worker=self.workers[w], now=self.now)
+            transitions.release(job_id, token, worker=self.workers[w], now=self.now)
         assert list(Job.objects.filter(pk=job_id).values()) == before
 
     # --- Time, sweeper, admin, reconciliation ---------------------------------------
@@ -185,7 +189,7 @@ class LeaseLifecycle(RuleBasedStateMachine):
             st.sampled_from(list(Job.objects.values_list("pk", flat=True)))
         )
         was_leased = Job.objects.filter(pk=job_id, status=JobStatus.LEASED).exists()
-        assert Job(pk=job_id).force_reclaim(now=self.now) is was_leased
+        assert transitions.force_reclaim(job_id, now=self.now) is was_leased
 
     @rule()
     def reconcile_finds_nothing(self):

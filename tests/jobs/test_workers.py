@@ -2,7 +2,8 @@
 
 import pytest
 
-from jobs.models import Job, Worker
+from jobs import transitions
+from jobs.models import Worker
 
 from ..factories import claim, later, make_batch
 
@@ -14,21 +15,23 @@ def _error_code(response) -> tuple[int, str]:
 
 
 def test_disable_refuses_the_worker_at_once_and_enable_lets_it_back(api, worker):
-    assert worker.set_active(False) is True
-    assert worker.set_active(False) is False  # already disabled: nothing to do
+    assert transitions.set_worker_active(worker, False) is True
+    assert (
+        transitions.set_worker_active(worker, False) is False
+    )  # already disabled: nothing to do
 
     assert Worker.objects.get(pk=worker.pk).is_active is False
     assert _error_code(api.claim()) == (403, "forbidden")
 
-    assert worker.set_active(True) is True
-    assert worker.set_active(True) is False
+    assert transitions.set_worker_active(worker, True) is True
+    assert transitions.set_worker_active(worker, True) is False
     assert api.claim().status_code == 204
 
 
 def test_a_disabled_workers_lease_runs_out_and_is_reclaimed(api, worker):
     make_batch(1)
     job = claim(worker)
-    worker.set_active(False)
+    transitions.set_worker_active(worker, False)
 
     assert _error_code(api.heartbeat(job.pk, job.lease_token)) == (403, "forbidden")
-    assert Job.objects.reclaim_expired(now=later(61)) == {"requeued": 1, "failed": 0}
+    assert transitions.reclaim_expired(now=later(61)) == {"requeued": 1, "failed": 0}

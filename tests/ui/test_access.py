@@ -3,6 +3,7 @@
 import pytest
 from django.test import Client
 
+from jobs import transitions
 from jobs.models import Job
 
 from ..factories import claim, make_batch
@@ -107,10 +108,10 @@ def test_unknown_export_format_is_404(operator_client, batch):
 def test_text_from_workers_is_escaped(viewer_client, worker, batch):
     evil = "<script>alert('x')</script>"
     job = claim(worker)
-    job.fail(job.lease_token, worker=worker, error=evil, retryable=False)
+    transitions.fail(job, job.lease_token, worker=worker, error=evil, retryable=False)
     job = claim(worker)
-    job.complete(
-        job.lease_token, worker=worker, result={"text": evil, "language": evil}
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": evil, "language": evil}
     )
     pages = [
         viewer_client.get(f"/items/{j.item_id}/").content.decode()

@@ -10,6 +10,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem
+from jobs import transitions
 from jobs.models import Event, Job, Lease, LeaseEnd
 
 from ..factories import assert_consistent, claim, make_batch, make_worker
@@ -35,7 +36,7 @@ def test_pause_and_resume(operator_client, operator, worker):
     ]
     batch.refresh_from_db()
     assert batch.paused_at is not None
-    assert Job.objects.claim_next(worker, now=timezone.now()) is None
+    assert transitions.claim_next(worker, now=timezone.now()) is None
     assert Event.objects.get(kind=Event.Kind.BATCH_PAUSED).actor == operator
     assert "Resume</button>" in response.content.decode()
 
@@ -54,7 +55,7 @@ def test_cancel_ends_queued_and_in_flight_items_atomically(
 ):
     batch = make_batch(4)
     done = claim(worker, now=timezone.now())
-    done.complete(done.lease_token, worker=worker, result={"text": "kept"})
+    transitions.complete(done, done.lease_token, worker=worker, result={"text": "kept"})
     in_flight = claim(worker, now=timezone.now())
 
     response = operator_client.post(f"/batches/{batch.pk}/cancel", follow=True)
@@ -78,7 +79,7 @@ def test_cancel_ends_queued_and_in_flight_items_atomically(
     from jobs.exceptions import LeaseLost
 
     with pytest.raises(LeaseLost):
-        in_flight.heartbeat(in_flight.lease_token, worker=worker)
+        transitions.heartbeat(in_flight, in_flight.lease_token, worker=worker)
 
 
 def test_retry_all_failed_or_those_matching_the_search(
@@ -87,7 +88,9 @@ def test_retry_all_failed_or_those_matching_the_search(
     batch = make_batch(6)
     for _ in range(4):
         job = claim(worker, now=timezone.now())
-        job.fail(job.lease_token, worker=worker, error="x", retryable=False)
+        transitions.fail(
+            job, job.lease_token, worker=worker, error="x", retryable=False
+        )
 
     response = operator_client.post(
         f"/batches/{batch.pk}/retry", {"q": "batch-1"}, follow=True
@@ -113,7 +116,7 @@ def test_retry_all_failed_or_those_matching_the_search(
 def test_cancelled_batch_cannot_be_retried(operator_client, worker):
     batch = make_batch(2)
     job = claim(worker, now=timezone.now())
-    job.fail(job.lease_token, worker=worker, error="x", retryable=False)
+    transitions.fail(job, job.lease_token, worker=worker, error="x", retryable=False)
     operator_client.post(f"/batches/{batch.pk}/cancel")
 
     response = operator_client.post(f"/batches/{batch.pk}/retry", follow=True)
@@ -256,7 +259,8 @@ def test_pasting_more_than_the_body_limit_is_a_form_error(operator_client, setti
 def exported(worker):
     batch = make_batch(3)
     job = claim(worker, now=timezone.now())
-    job.complete(
+    transitions.complete(
+        job,
         job.lease_token,
         worker=worker,
         result={
@@ -268,7 +272,9 @@ def exported(worker):
         },
     )
     job = claim(worker, now=timezone.now())
-    job.fail(job.lease_token, worker=worker, error="no audio", retryable=False)
+    transitions.fail(
+        job, job.lease_token, worker=worker, error="no audio", retryable=False
+    )
     return batch
 
 
@@ -394,7 +400,7 @@ def test_a_cancel_cut_short_by_its_time_limit_is_finished_by_reconciliation(
         "Cancelled: 0 queued or in-flight item(s) cancelled. Finished items keep their "
         "results. The other 12 are being cancelled in the background."
     ]
-    assert Job.objects.claim_next(make_worker("late"), now=timezone.now()) is None
+    assert transitions.claim_next(make_worker("late"), now=timezone.now()) is None
     assert reconcile(now=timezone.now()).cancels_finished == 12
     assert batch.counts()["cancelled"] == 12
     assert_consistent(timezone.now())

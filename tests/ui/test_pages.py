@@ -8,6 +8,7 @@ import pytest
 from django.utils import timezone
 
 from batches.models import Batch
+from jobs import transitions
 from jobs.models import Job
 
 from ..factories import claim, make_batch, make_worker
@@ -19,9 +20,12 @@ def _finish(worker, n, fail=False):
     for _ in range(n):
         job = claim(worker, now=timezone.now())
         if fail:
-            job.fail(job.lease_token, worker=worker, error="bad audio", retryable=False)
+            transitions.fail(
+                job, job.lease_token, worker=worker, error="bad audio", retryable=False
+            )
         else:
-            job.complete(
+            transitions.complete(
+                job,
                 job.lease_token,
                 worker=worker,
                 result={
@@ -42,9 +46,9 @@ def batches(worker):
     running = make_batch(3, name="running one")
     claim(worker, now=timezone.now())
     paused = make_batch(2, name="paused one")
-    paused.pause()
+    transitions.pause_batch(paused)
     cancelled = make_batch(2, name="cancelled one")
-    Job.objects.cancel_batch(cancelled)
+    transitions.cancel_batch(cancelled)
     return {
         "running": running,
         "finished": finished,
@@ -202,7 +206,9 @@ def test_progress_json_eta_is_null_when_unknown(viewer_client, batch):
 def test_item_detail_shows_lease_attempts_and_repairs(viewer_client, worker):
     batch = make_batch(1)
     job = claim(worker, now=timezone.now())
-    job.fail(job.lease_token, worker=worker, error="decoder crashed", retryable=True)
+    transitions.fail(
+        job, job.lease_token, worker=worker, error="decoder crashed", retryable=True
+    )
     Job.objects.filter(pk=job.pk).update(available_at=timezone.now())
     job = claim(make_worker("gpu-9"), now=timezone.now())
     Batch.objects.filter(pk=batch.pk).update()
@@ -225,7 +231,8 @@ def test_item_detail_shows_lease_attempts_and_repairs(viewer_client, worker):
 def test_item_detail_shows_the_transcript(viewer_client, worker):
     make_batch(1)
     job = claim(worker, now=timezone.now())
-    job.complete(
+    transitions.complete(
+        job,
         job.lease_token,
         worker=worker,
         result={
@@ -247,7 +254,7 @@ def test_workers_page_counts_and_flags_flaky_workers(viewer_client, db):
     _finish(steady, 2)
     for _ in range(3):
         claim(flaky, now=timezone.now() - timedelta(hours=1))
-        Job.objects.reclaim_expired(now=timezone.now())
+        transitions.reclaim_expired(now=timezone.now())
     claim(steady, now=timezone.now())
 
     page = viewer_client.get("/workers/").content.decode()

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
 
@@ -105,7 +106,7 @@ def test_heartbeats_keep_a_long_job_past_several_lease_lengths(start_worker):
         timeout=30,
         what="the long job completed",
         workers=(proc,),
-        every=lambda: Job.objects.reclaim_expired(),
+        every=lambda: transitions.reclaim_expired(),
     )
 
     (lease,) = Lease.objects.filter(job__batch=batch)
@@ -125,7 +126,7 @@ def test_lease_lost_on_heartbeat_kills_the_engine_and_never_completes(start_work
     )
     first_token = Job.objects.get(pk=job.pk).lease_token
 
-    assert job.force_reclaim()  # the next heartbeat gets 409
+    assert transitions.force_reclaim(job)  # the next heartbeat gets 409
 
     wait_for(
         lambda: process_gone(record["pid"]) and process_gone(record["child"]),

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
+from jobs import transitions
 from jobs.models import Worker
 
 
@@ -20,7 +21,7 @@ class Command(BaseCommand):
             raise CommandError("The name must be 1 to 100 printable characters.")
         if Worker.objects.filter(name=name).exists():
             raise CommandError(f"A worker named {name!r} already exists.")
-        worker, token = Worker.objects.create_with_token(name)
+        worker, token = transitions.create_worker(name)
         self.stderr.write(
             f"Created worker {worker.name!r} (id {worker.pk}). Its token:"
         )

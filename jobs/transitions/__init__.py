@@ -1,0 +1,364 @@
+"""Every state transition Recall makes, in one place.
+
+This package is the only code that writes jobs, items, lease-ledger rows,
+progress counters, throughput buckets, tallies and events. Each function below
+is one transition: it runs in one transaction (or in bounded transactions, for
+bulk actions) and moves, together, the job (``Job.status`` and its lease
+fields), its item (``item_status_for(job.status)``), the batch's counters and
+throughput bucket, and the job's ledger row, or writes nothing.
+
+Two backends write the hot transitions (claim, complete, reclaim), chosen once
+per connection (``backends.py``): the portable ORM backend (``orm.py``, the
+reference and PostgreSQL's healing path) and the PostgreSQL statement backend
+(``postgres.py`` with ``statements.py``). The other transitions are portable
+ORM code shared by both (``actions.py``, ``repairs.py``, ``workers.py``).
+A differential test runs every transition through both and compares the rows.
+
+Time: ``now=None`` means the database's clock on PostgreSQL (web nodes and
+sweepers on different machines disagree; the database is the one clock they
+share) and the process clock on SQLite. Tests pass ``now`` explicitly.
+
+Callers (API views, UI views, admin actions, the sweep, commands) never write
+those rows themselves; they call these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from django.db.models import QuerySet
+
+from batches.models import Batch
+from jobs.models import Job, Worker
+
+from . import actions, repairs, workers
+from .actions import Audit
+from .backends import backend
+from .orm import ItemRow
+from .rows import log_lease
+
+__all__ = [
+    "Audit",
+    "ItemRow",
+    "authenticate_worker",
+    "backend",
+    "cancel_batch",
+    "cancel_batch_chunk",
+    "cancel_job",
+    "cancel_queued",
+    "claim_next",
+    "close_stray_leases",
+    "complete",
+    "create_batch",
+    "create_worker",
+    "drop_throughput",
+    "fail",
+    "fail_exhausted",
+    "finish_cancel",
+    "finish_interrupted_cancel",
+    "force_reclaim",
+    "force_reclaim_many",
+    "heal_item",
+    "heartbeat",
+    "now",
+    "pause_batch",
+    "reclaim_expired",
+    "recount",
+    "release",
+    "reopen_batch",
+    "restore_lease_row",
+    "resume_batch",
+    "retry_failed",
+    "rotate_worker_token",
+    "set_worker_active",
+    "settle",
+    "touch_worker",
+]
+
+
+def now() -> datetime:
+    """Recall's clock: the database's on PostgreSQL, the process's on SQLite."""
+    return backend().now()
+
+
+def _now(at: datetime | None) -> datetime:
+    return backend().now() if at is None else at
+
+
+def _pk(job: Job | int) -> int:
+    return job if isinstance(job, int) else job.pk
+
+
+# --- Workers ---------------------------------------------------------------------
+
+
+def authenticate_worker(token: str) -> tuple[Worker | None, datetime | None]:
+    """The worker holding ``token`` (active or not) and the request's time,
+    read together (one statement on PostgreSQL); (None, None) if unknown."""
+    return backend().authenticate(token)
+
+
+def touch_worker(worker: Worker, *, now: datetime) -> None:
+    workers.touch(worker, now)
+
+
+def create_worker(name: str) -> tuple[Worker, str]:
+    """A new worker and its token (shown once: only its hash is stored)."""
+    return workers.create_worker(name)
+
+
+def rotate_worker_token(worker: Worker) -> str:
+    return workers.rotate_token(worker)
+
+
+def set_worker_active(worker: Worker, active: bool) -> bool:
+    return workers.set_active(worker, active)
+
+
+# --- A worker's lease ------------------------------------------------------------
+
+
+def claim_next(worker: Worker, *, now: datetime | None = None) -> Job | None:
+    """queued -> leased: the next claimable job for ``worker``, or None.
+
+    Expired leases are reclaimed and an interrupted batch cancel is finished
+    first, so no expired lease stands while new work is handed out. Then the
+    oldest claimable job of the first open batch by priority is leased (SKIP
+    LOCKED: concurrent claims never take the same job).
+    """
+    job = backend().claim_next(worker, now=now)
+    if job is not None:
+        log_lease("claimed", job, worker_id=worker.pk)
+    return job
+
+
+def heartbeat(
+    job: Job | int, lease_token: str, *, worker: Worker, now: datetime | None = None
+) -> datetime:
+    """Extend a live lease; return its new expiry. LeaseLost if not live."""
+    return backend().heartbeat(_pk(job), lease_token, worker=worker, now=now)
+
+
+def complete(
+    job: Job | int,
+    lease_token: str,
+    *,
+    worker: Worker,
+    result: dict[str, Any],
+    now: datetime | None = None,
+) -> None:
+    """leased -> completed, with the result. Replaying the call with the token
+    that completed it succeeds again and changes nothing (the worker may have
+    lost the response). LeaseLost if the lease is not live."""
+    done = backend().complete(
+        _pk(job), lease_token, worker=worker, result=result, now=now
+    )
+    if done is not None:
+        log_lease("completed", done, worker_id=worker.pk)
+
+
+def fail(
+    job: Job | int,
+    lease_token: str,
+    *,
+    worker: Worker,
+    error: str,
+    retryable: bool = True,
+    now: datetime | None = None,
+) -> str:
+    """leased -> queued (retryable, attempts left: after a backoff) or failed.
+    Returns the job's new status. LeaseLost if the lease is not live."""
+    failed = backend().fail(
+        _pk(job),
+        lease_token,
+        worker=worker,
+        error=error,
+        retryable=retryable,
+        now=now,
+    )
+    log_lease(f"failed ({failed.status})", failed, worker_id=worker.pk)
+    return failed.status
+
+
+def release(
+    job: Job | int, lease_token: str, *, worker: Worker, now: datetime | None = None
+) -> None:
+    """leased -> queued at once, the attempt not counted (a clean shutdown)."""
+    released = backend().release(_pk(job), lease_token, worker=worker, now=now)
+    log_lease("released", released, worker_id=worker.pk, attempt=released.attempts + 1)
+
+
+def reclaim_expired(
+    *,
+    now: datetime | None = None,
+    limit: int | None = None,
+    wait: bool = True,
+    among: QuerySet[Job] | None = None,
+) -> dict[str, int]:
+    """leased -> queued (or failed, on the last attempt) for expired leases (of
+    ``among`` only, if given), in bounded transactions. ``wait=False``: return
+    at once if another process is reclaiming (a claim must not queue behind a
+    sweep). Returns ``{"requeued": n, "failed": n}``."""
+    return backend().reclaim_expired(now=now, limit=limit, wait=wait, among=among)
+
+
+# --- Operators and admins --------------------------------------------------------
+
+
+def force_reclaim(
+    job: Job | int, *, actor: Any = None, now: datetime | None = None
+) -> bool:
+    """End a live lease now: job and item queued again, the ledger row closed
+    as ``forced``, the attempt not counted, the old worker fenced out. False if
+    the job was not leased."""
+    return actions.force_reclaim(_pk(job), now=_now(now), actor=actor) is not None
+
+
+def force_reclaim_many(
+    jobs: QuerySet[Job],
+    *,
+    actor: Any = None,
+    now: datetime | None = None,
+    audit: Audit | None = None,
+) -> int:
+    """``force_reclaim`` for every leased job of ``jobs``, one transaction each."""
+    return actions.force_reclaim_many(jobs, now=_now(now), actor=actor, audit=audit)
+
+
+def cancel_job(
+    job: Job | int, *, actor: Any = None, now: datetime | None = None
+) -> bool:
+    """queued -> cancelled for one job. False if it was not queued."""
+    return actions.cancel_job(_pk(job), now=_now(now), actor=actor)
+
+
+def cancel_queued(
+    jobs: QuerySet[Job],
+    *,
+    actor: Any = None,
+    now: datetime | None = None,
+    audit: Audit | None = None,
+) -> int:
+    """queued -> cancelled for the queued jobs of ``jobs``, in chunks."""
+    return actions.cancel_queued(jobs, now=_now(now), actor=actor, audit=audit)
+
+
+def retry_failed(
+    jobs: QuerySet[Job],
+    *,
+    actor: Any = None,
+    now: datetime | None = None,
+    audit: Audit | None = None,
+) -> int:
+    """failed -> queued with fresh attempts for the failed jobs of ``jobs``
+    (not those of cancelled batches), reopening their batches, in chunks."""
+    return actions.retry_failed(jobs, now=_now(now), actor=actor, audit=audit)
+
+
+def cancel_batch(
+    batch: Batch,
+    *,
+    actor: Any = None,
+    now: datetime | None = None,
+    time_limit: float | None = None,
+) -> int:
+    """Cancel a batch and its queued and in-flight jobs (in bounded
+    transactions; after ``time_limit`` seconds reconciliation finishes the
+    rest). Returns how many jobs this call cancelled."""
+    return actions.cancel_batch(
+        batch, now=_now(now), actor=actor, time_limit=time_limit
+    )
+
+
+def cancel_batch_chunk(
+    batch_id: int, *, now: datetime | None = None, wait: bool = False
+) -> int:
+    """One transaction of a batch cancel: up to a chunk of its unfinished jobs."""
+    return actions.cancel_batch_chunk(batch_id, now=_now(now), wait=wait)
+
+
+def pause_batch(
+    batch: Batch, *, actor: Any = None, now: datetime | None = None
+) -> bool:
+    """Stop handing out the batch's jobs. False if it was already paused."""
+    return actions.pause_batch(batch, now=_now(now), actor=actor)
+
+
+def resume_batch(
+    batch: Batch, *, actor: Any = None, now: datetime | None = None
+) -> bool:
+    """Hand out the batch's jobs again. False if it was not paused."""
+    return actions.resume_batch(batch, now=_now(now), actor=actor)
+
+
+def create_batch(
+    *,
+    name: str,
+    items: Iterable[ItemRow],
+    priority: int = 0,
+    created_by: Any = None,
+    now: datetime | None = None,
+) -> Batch:
+    """The batch, its items (``(source, params, duration_ms)``), their jobs and
+    counters, in one transaction. ``items`` may raise to abandon it all."""
+    return backend().create_batch(
+        name=name,
+        items=items,
+        priority=priority,
+        created_by=created_by,
+        now=_now(now),
+    )
+
+
+def settle(
+    batches: QuerySet[Batch] | None = None, *, now: datetime | None = None
+) -> int:
+    """Mark finished the batches (all, by default) with nothing left to do."""
+    return actions.settle(
+        Batch.objects.all() if batches is None else batches, now=_now(now)
+    )
+
+
+# --- Repairs (reconciliation decides; each is one transaction) --------------------
+
+
+def heal_item(job: Job | int, *, now: datetime | None = None) -> bool:
+    return repairs.heal_item(_pk(job), now=_now(now))
+
+
+def close_stray_leases(job: Job | int, *, now: datetime | None = None) -> int:
+    return repairs.close_stray_leases(_pk(job), now=_now(now))
+
+
+def restore_lease_row(job: Job | int, *, now: datetime | None = None) -> bool:
+    return repairs.restore_lease_row(_pk(job), now=_now(now))
+
+
+def fail_exhausted(job: Job | int, *, now: datetime | None = None) -> bool:
+    return repairs.fail_exhausted(_pk(job), now=_now(now))
+
+
+def reopen_batch(job: Job | int, *, now: datetime | None = None) -> bool:
+    return repairs.reopen_batch(_pk(job), now=_now(now))
+
+
+def recount(batch_id: int, *, requested_at: datetime | None = None) -> bool:
+    return repairs.recount(batch_id, requested_at=requested_at)
+
+
+def finish_cancel(
+    batch_id: int, *, now: datetime | None = None, chunks: int | None = None
+) -> int:
+    return actions.finish_cancel(batch_id, now=_now(now), chunks=chunks)
+
+
+def finish_interrupted_cancel(*, now: datetime | None = None) -> int:
+    """The claim's share of reconciliation: one chunk of the oldest batch cancel
+    left unfinished for longer than ``rules.CANCEL_GRACE``; how many jobs."""
+    return actions.finish_interrupted_cancel(now=_now(now))
+
+
+def drop_throughput(*, before: datetime) -> int:
+    return repairs.drop_throughput(before=before)

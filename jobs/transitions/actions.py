@@ -1,0 +1,343 @@
+"""Operator and admin transitions: pause, resume, cancel, retry, force reclaim,
+and marking batches finished. Portable ORM code, the same on every backend.
+
+Bulk actions work in bounded transactions (``RECALL_CHUNK_SIZE`` jobs each,
+locked with SKIP LOCKED so rows a worker's transition holds right now are left
+alone), so a million-job selection never holds many locks for long. Each
+records what it did in the event log, in the transaction that does it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import QuerySet
+
+from batches.models import Batch, BatchCounter, ItemStatus
+from jobs.models import Event, Job, JobStatus, LeaseEnd
+
+from .rows import group_by, log_lease, move_jobs, record_event, record_events
+from .rules import BATCH_CANCELLED, CANCEL_GRACE, FORCED_BY_ADMIN
+
+log = logging.getLogger("recall.transitions")
+
+# A caller's own record of a bulk transition (e.g. the admin's LogEntry rows): it
+# is called inside each transaction with the jobs that moved, so the record
+# commits or rolls back together with the change.
+Audit = Callable[[Sequence[Job]], None]
+
+
+# --- Batches ---------------------------------------------------------------------
+
+
+def pause_batch(batch: Batch, *, now: datetime, actor: Any = None) -> bool:
+    """Stop handing out the batch's jobs; leases in flight run to their end.
+    False if it was already paused."""
+    with transaction.atomic():
+        paused = Batch.objects.filter(pk=batch.pk, paused_at__isnull=True).update(
+            paused_at=now
+        )
+        if paused:
+            record_event(
+                Event.Kind.BATCH_PAUSED, "Batch paused.", batch_id=batch.pk, actor=actor
+            )
+    batch.refresh_from_db(fields=["paused_at"])
+    return bool(paused)
+
+
+def resume_batch(batch: Batch, *, now: datetime, actor: Any = None) -> bool:
+    """Hand out the batch's jobs again. False if it was not paused."""
+    with transaction.atomic():
+        resumed = Batch.objects.filter(pk=batch.pk, paused_at__isnull=False).update(
+            paused_at=None
+        )
+        if resumed:
+            record_event(
+                Event.Kind.BATCH_RESUMED,
+                "Batch resumed.",
+                batch_id=batch.pk,
+                actor=actor,
+            )
+    batch.refresh_from_db(fields=["paused_at"])
+    return bool(resumed)
+
+
+def cancel_batch(
+    batch: Batch,
+    *,
+    now: datetime,
+    actor: Any = None,
+    time_limit: float | None = None,
+) -> int:
+    """Cancel a batch: its queued and in-flight jobs become cancelled.
+
+    The batch is marked cancelled first (claims skip it from then on), then its
+    jobs are cancelled in bounded transactions. In-flight leases end at once
+    (ledger reason ``forced``); their workers get 409 on the next call. After
+    ``time_limit`` seconds no new chunk is started (a web request must answer in
+    time); reconciliation finishes the rest, as it does when the process dies
+    part-way. Returns how many jobs this call cancelled.
+    """
+    deadline = None if time_limit is None else time.monotonic() + time_limit
+    with transaction.atomic():
+        marked = Batch.objects.filter(pk=batch.pk, cancelled_at__isnull=True).update(
+            cancelled_at=now
+        )
+        if marked:
+            record_event(
+                Event.Kind.BATCH_CANCELLED,
+                "Batch cancelled.",
+                batch_id=batch.pk,
+                actor=actor,
+            )
+    total = 0
+    for wait in (False, True):  # then rows another transaction held a moment ago
+        while deadline is None or time.monotonic() < deadline:
+            n = cancel_batch_chunk(batch.pk, now=now, wait=wait)
+            total += n
+            if not n:
+                break
+    # Mark it finished now, so claims stop checking it for an unfinished cancel.
+    settle(Batch.objects.filter(pk=batch.pk), now=now)
+    batch.refresh_from_db(fields=["cancelled_at", "finished_at"])
+    return total
+
+
+def cancel_batch_chunk(batch_id: int, *, now: datetime, wait: bool = False) -> int:
+    """Cancel up to one chunk of a cancelled batch's unfinished jobs."""
+    with transaction.atomic():
+        jobs = list(
+            Job.objects.filter(
+                batch_id=batch_id,
+                batch__cancelled_at__isnull=False,
+                status__in=[JobStatus.QUEUED, JobStatus.LEASED],
+            )
+            .locked(skip_locked=not wait)
+            .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
+        )
+        groups = group_by(jobs, "status")
+        move_jobs(groups.get(JobStatus.QUEUED, []), to=JobStatus.CANCELLED, now=now)
+        move_jobs(
+            groups.get(JobStatus.LEASED, []),
+            to=JobStatus.CANCELLED,
+            now=now,
+            lease_end=LeaseEnd.FORCED,
+            error=BATCH_CANCELLED,
+        )
+    return len(jobs)
+
+
+def finish_cancel(batch_id: int, *, now: datetime, chunks: int | None = None) -> int:
+    """Cancel what a cancelled batch still has queued or in flight (an
+    interrupted cancel), ``chunks`` chunks at most; then settle the batch."""
+    total = 0
+    while chunks is None or chunks > 0:
+        n = cancel_batch_chunk(batch_id, now=now)
+        total += n
+        if chunks is not None:
+            chunks -= 1
+        if n == 0:
+            break
+    if total:
+        log.warning(
+            "repair: finished an interrupted cancel of batch %s: %d jobs",
+            batch_id,
+            total,
+            extra={"batch": batch_id},
+        )
+    settle(Batch.objects.filter(pk=batch_id), now=now)
+    return total
+
+
+def finish_interrupted_cancel(*, now: datetime) -> int:
+    """The claim's share of reconciliation: one chunk of the oldest interrupted
+    batch cancel, if any (a probe of a partial index that is empty unless so)."""
+    batch_id = (
+        Batch.objects.filter(
+            cancelled_at__isnull=False,
+            finished_at__isnull=True,
+            cancelled_at__lt=now - CANCEL_GRACE,
+        )
+        .values_list("pk", flat=True)
+        .first()
+    )
+    if batch_id is None:
+        return 0
+    return finish_cancel(batch_id, now=now, chunks=1)
+
+
+def settle(batches: QuerySet[Batch], *, now: datetime) -> int:
+    """Mark finished the batches of ``batches`` with nothing queued or in
+    flight; return how many.
+
+    The batch row is locked before the counters are read. Everything that
+    queues items in a finished batch again (retry) clears ``finished_at`` under
+    the same lock, so a batch is never marked finished while it has work to
+    hand out.
+    """
+    settled = 0
+    for batch_id in batches.filter(finished_at__isnull=True).values_list(
+        "pk", flat=True
+    ):
+        with transaction.atomic():
+            batch = (
+                Batch.objects.select_for_update()
+                .filter(pk=batch_id, finished_at__isnull=True)
+                .first()
+            )
+            if batch is None:
+                continue
+            counts = BatchCounter.objects.filter(batch_id=batch_id).totals()
+            if counts[ItemStatus.QUEUED] or counts[ItemStatus.TRANSCRIBING]:
+                continue
+            Batch.objects.filter(pk=batch_id).update(finished_at=now)
+            settled += 1
+    return settled
+
+
+# --- Jobs ------------------------------------------------------------------------
+
+
+def force_reclaim(job_id: int, *, now: datetime, actor: Any = None) -> Job | None:
+    """End a live lease now (admin action): job and item back to queued, the
+    ledger row closed as ``forced``, the attempt not counted. The old worker is
+    fenced out by its token. Returns the job, or None if it was not leased."""
+    with transaction.atomic():
+        job = Job.objects.filter(pk=job_id, status=JobStatus.LEASED).locked().first()
+        if job is None:
+            return None
+        worker = job.leased_by_id
+        move_jobs(
+            [job],
+            to=JobStatus.QUEUED,
+            now=now,
+            lease_end=LeaseEnd.FORCED,
+            error=FORCED_BY_ADMIN,
+            refund_attempt=True,
+        )
+        record_event(
+            Event.Kind.FORCE_RECLAIMED,
+            f"Lease of worker {worker} ended by force; job queued again.",
+            job=job,
+            actor=actor,
+        )
+    log_lease("forced", job, worker_id=worker, attempt=job.attempts + 1)
+    return job
+
+
+def force_reclaim_many(
+    jobs: QuerySet[Job],
+    *,
+    now: datetime,
+    actor: Any = None,
+    audit: Audit | None = None,
+) -> int:
+    """End the live leases of ``jobs``' leased jobs, each job in a transaction of
+    its own, so a large selection never holds many locks at once. Jobs that are
+    not leased (any more) are skipped. Returns how many leases were ended."""
+    total, after = 0, 0
+    leased = jobs.filter(status=JobStatus.LEASED).order_by("pk")
+    while ids := list(
+        leased.filter(pk__gt=after).values_list("pk", flat=True)[
+            : settings.RECALL_CHUNK_SIZE
+        ]
+    ):
+        for pk in ids:
+            with transaction.atomic():
+                job = force_reclaim(pk, now=now, actor=actor)
+                if job is not None and audit is not None:
+                    audit([job])
+            total += job is not None
+        after = ids[-1]
+    return total
+
+
+def cancel_job(job_id: int, *, now: datetime, actor: Any = None) -> bool:
+    """Cancel a queued job. Returns False if it was not queued."""
+    with transaction.atomic():
+        job = Job.objects.filter(pk=job_id, status=JobStatus.QUEUED).locked().first()
+        if job is None:
+            return False
+        move_jobs([job], to=JobStatus.CANCELLED, now=now)
+        record_event(Event.Kind.CANCELLED, "Job cancelled.", job=job, actor=actor)
+    return True
+
+
+def cancel_queued(
+    jobs: QuerySet[Job],
+    *,
+    now: datetime,
+    actor: Any = None,
+    audit: Audit | None = None,
+) -> int:
+    """Cancel the queued jobs of ``jobs``, in bounded transactions.
+
+    A job a claim holds right now is being leased, so it is no longer queued and
+    is left alone; so are jobs in any other status. Returns how many.
+    """
+
+    def cancel(chunk: list[Job]) -> None:
+        move_jobs(chunk, to=JobStatus.CANCELLED, now=now)
+        record_events(chunk, Event.Kind.CANCELLED, "Job cancelled.", actor)
+
+    return _in_chunks(jobs, JobStatus.QUEUED, cancel, audit)
+
+
+def retry_failed(
+    jobs: QuerySet[Job],
+    *,
+    now: datetime,
+    actor: Any = None,
+    audit: Audit | None = None,
+) -> int:
+    """Queue the failed jobs of ``jobs`` again, with fresh attempts.
+
+    Works in bounded transactions; each reopens the batches it touches so
+    claims find them again. Jobs of cancelled batches stay failed. Returns how
+    many jobs were queued.
+    """
+
+    def retry(chunk: list[Job]) -> None:
+        Batch.objects.filter(pk__in={j.batch_id for j in chunk}).update(
+            finished_at=None
+        )
+        move_jobs(chunk, to=JobStatus.QUEUED, now=now, attempts=0)
+        record_events(
+            chunk, Event.Kind.RETRIED, "Queued again with fresh attempts.", actor
+        )
+
+    return _in_chunks(
+        jobs.filter(batch__cancelled_at__isnull=True), JobStatus.FAILED, retry, audit
+    )
+
+
+def _in_chunks(
+    jobs: QuerySet[Job],
+    status: str,
+    change: Callable[[list[Job]], None],
+    audit: Audit | None,
+) -> int:
+    """Apply ``change`` to ``jobs`` in ``status``, one locked chunk per
+    transaction (keyset on id, SKIP LOCKED: rows a transition holds now are
+    skipped); ``audit`` runs in the same transaction. Returns how many."""
+    total, after = 0, 0
+    while True:
+        with transaction.atomic():
+            chunk = list(
+                jobs.filter(status=status, pk__gt=after)
+                .locked(skip_locked=True)
+                .order_by("pk")[: settings.RECALL_CHUNK_SIZE]
+            )
+            if not chunk:
+                return total
+            change(chunk)
+            if audit is not None:
+                audit(chunk)
+        total += len(chunk)
+        after = chunk[-1].pk

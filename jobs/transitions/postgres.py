@@ -1,0 +1,319 @@
+"""The PostgreSQL statement backend: the hot transitions as single statements.
+
+It replaces the ORM backend's hooks for worker authentication, the claim, the
+completion and a chunk of reclaimed leases with the prepared statements in
+``statements.py`` and inherits everything else. A single statement is atomic by
+itself, so these run without a transaction block of their own (no BEGIN and
+COMMIT round trips), or inside the caller's. Only the clean case is handled in
+SQL: when the rows disagree (an item whose status drifted, a live lease without
+its open ledger row) a statement writes nothing and says so, and the ORM
+backend's code, which locks the rows again, heals and logs the drift, runs
+instead.
+
+Time is the database's: a statement given no ``now`` reads
+``statement_timestamp()`` and returns the instant it used, so a fallback to the
+ORM path and the response use the same one.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable
+from contextlib import nullcontext
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Model, QuerySet
+
+from batches.models import Batch, BatchItem, ItemStatus
+from jobs.models import Job, JobStatus, Worker
+from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
+from jobs.tokens import token_prefix as prefix_of
+
+from . import statements
+from .orm import ItemRow, OrmBackend
+from .rows import log_lease
+from .rules import (
+    CANCEL_GRACE,
+    CLAIM_BATCH_CANDIDATES,
+    GAVE_UP,
+    LEASE_EXPIRED,
+    lease_duration,
+)
+
+# psycopg's default: prepare a statement on its fifth execution (``prepare=True``
+# below prepares ours at once).
+PREPARE_THRESHOLD = 5
+
+JOB_FIELDS = Job._meta.concrete_fields
+ITEM_FIELDS = BatchItem._meta.concrete_fields
+
+# A statement's lease insert met an open ledger row committed after its snapshot.
+RACED = object()
+
+
+class PostgresBackend(OrmBackend):
+    """The ORM backend, with the hot path in SQL (see the module docstring)."""
+
+    name = "postgres"
+
+    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+        super().__init__(connection)
+        self.prepare = settings.RECALL_PREPARED_STATEMENTS
+
+    # --- Workers ----------------------------------------------------------------
+
+    def authenticate(self, token: str) -> tuple[Worker | None, datetime | None]:
+        if not plausible_worker_token(token):
+            return None, None
+        digest = hash_token(token)
+        rows = self._fetchall(
+            statements.WORKERS_WITH_PREFIX, {"prefix": prefix_of(token)}
+        )
+        for *columns, now in rows:
+            worker = self._from_db(Worker, Worker._meta.concrete_fields, columns)
+            if hmac.compare_digest(worker.token_hash, digest):
+                return worker, now
+        return None, None
+
+    # --- Claim ------------------------------------------------------------------
+
+    def claim_next(self, worker: Worker, *, now: datetime | None) -> Job | None:
+        # Most claims: nothing to do first, and the first batch with work has a
+        # job free, or no batch has work. One statement (atomic by itself).
+        token = new_lease_token()
+        row = self._claim_row(
+            statements.CLAIM_FIRST,
+            {**self._claim_params(worker, token, now), "cancel_grace": CANCEL_GRACE},
+        )
+        if row is not RACED:
+            expired, cancelling, first_batch, at, *picked = row
+            if picked[0] is not None:  # a job row joined
+                job, written = self._leased(picked, worker, token)
+                if written:
+                    return job
+            elif not (expired or cancelling or first_batch):
+                return None  # an idle claim: one statement too
+            now = at  # the long way uses the statement's instant
+        # The long way: the ORM backend's, through the hooks below.
+        return super().claim_next(worker, now=now)
+
+    def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[int]]:
+        """The chores and the candidates in one probe (``CLAIM_PLAN``)."""
+        expired, cancelling, candidates = self._fetchone(
+            statements.CLAIM_PLAN,
+            {"now": now, "cancel_grace": CANCEL_GRACE, "limit": CLAIM_BATCH_CANDIDATES},
+        )
+        return expired, cancelling, candidates
+
+    def _claim_in_batch(
+        self, batch_id: int, worker: Worker, now: datetime
+    ) -> Job | None:
+        # One statement, so atomic by itself. If the rows it found disagree it
+        # wrote nothing, and the ORM code (which heals them) runs instead.
+        token = new_lease_token()
+        row = self._claim_row(
+            statements.CLAIM,
+            {**self._claim_params(worker, token, now), "batch": batch_id},
+        )
+        if row is None:
+            return None
+        if row is not RACED:
+            job, written = self._leased(row, worker, token)
+            if written:
+                return job
+        return super()._claim_in_batch(batch_id, worker, now)
+
+    def _claim_params(
+        self, worker: Worker, token: str, now: datetime | None
+    ) -> dict[str, Any]:
+        return {
+            "worker": worker.pk,
+            "token": token,
+            "now": now,
+            "lease_seconds": lease_duration().total_seconds(),
+        }
+
+    def _claim_row(self, sql: str, params: dict[str, Any]) -> Any:
+        """Run a claim statement and return its row, or RACED if its lease insert
+        met an open ledger row committed after the statement's snapshot (one
+        open row per job): nothing was written, and the ORM path, which closes
+        such a row, runs instead."""
+        try:
+            return self._fetchone(sql, params)
+        except IntegrityError:
+            return RACED
+
+    def _leased(self, row: Any, worker: Worker, token: str) -> tuple[Job, bool]:
+        """The job a claim statement picked, as the claim left it (if True)."""
+        n, m = len(JOB_FIELDS), len(ITEM_FIELDS)
+        job = self._from_db(Job, JOB_FIELDS, row[:n])
+        job.item = item = self._from_db(BatchItem, ITEM_FIELDS, row[n : n + m])
+        batch_name, stray_lease, at, expires = row[n + m :]
+        job.batch = Batch(pk=job.batch_id, name=batch_name)
+        if item.status != ItemStatus.QUEUED or stray_lease:
+            return job, False
+        job.status = JobStatus.LEASED
+        job.lease_token, job.leased_by = token, worker
+        job.lease_expires_at, job.heartbeat_at, job.updated_at = expires, at, at
+        job.attempts += 1
+        item.status, item.updated_at = ItemStatus.TRANSCRIBING, at
+        return job, True
+
+    # --- Complete ---------------------------------------------------------------
+
+    def complete(
+        self,
+        job_id: int,
+        lease_token: str,
+        *,
+        worker: Worker,
+        result: dict[str, Any],
+        now: datetime | None,
+    ) -> Job | None:
+        row = self._fetchone(
+            statements.COMPLETE,
+            {
+                "job": job_id,
+                "token": lease_token,
+                "worker": worker.pk,
+                "result": json.dumps(result),
+                "now": now,
+            },
+        )
+        if row is not None:
+            item_status, lease_id, batch_id, attempts, at = row
+            if item_status == ItemStatus.TRANSCRIBING and lease_id is not None:
+                job = Job(
+                    pk=job_id,
+                    batch_id=batch_id,
+                    attempts=attempts,
+                    status=JobStatus.COMPLETED,
+                    result=result,
+                    finished_at=at,
+                    updated_at=at,
+                )
+                return job
+            now = at
+        # Not live (a replay, a stale token) or rows that disagree: the ORM
+        # code decides, and heals.
+        return super().complete(
+            job_id, lease_token, worker=worker, result=result, now=now
+        )
+
+    # --- Reclaim ----------------------------------------------------------------
+
+    def _reclaim_chunk(
+        self,
+        now: datetime,
+        size: int,
+        *,
+        wait: bool,
+        among: QuerySet[Job] | None = None,
+    ) -> tuple[int, int, int]:
+        if among is not None:  # a selection: the ORM code filters it
+            return super()._reclaim_chunk(now, size, wait=wait, among=among)
+        rows = self._fetchall(
+            statements.RECLAIM_WAITING if wait else statements.RECLAIM_UNLESS_BUSY,
+            {
+                "now": now,
+                "size": size,
+                "expired": LEASE_EXPIRED,
+                "gave_up": GAVE_UP,
+            },
+        )
+        requeued = failed = 0
+        unclean = []
+        for job_id, clean, requeue, attempts, worker_id, batch_id in rows:
+            if not clean:
+                unclean.append(job_id)
+                continue
+            requeued += requeue
+            failed += not requeue
+            log_lease(
+                "reclaimed",
+                Job(pk=job_id, batch_id=batch_id, attempts=attempts),
+                worker_id=worker_id,
+            )
+        if unclean:
+            _, healed_requeued, healed_failed = super()._reclaim_chunk(
+                now, len(unclean), wait=wait, among=Job.objects.filter(pk__in=unclean)
+            )
+            requeued, failed = requeued + healed_requeued, failed + healed_failed
+        return len(rows), requeued, failed
+
+    # --- Intake -----------------------------------------------------------------
+
+    def _insert_items(
+        self, batch: Batch, items: Iterable[ItemRow], *, now: datetime
+    ) -> None:
+        """COPY: the driver's fastest bulk path."""
+        columns = ", ".join(self.ITEM_COLUMNS)
+        table = BatchItem._meta.db_table
+        with (
+            self.connection.cursor() as cursor,
+            cursor.cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy,
+        ):
+            for row in self._item_rows(batch, items, now):
+                copy.write_row(row)
+
+    # --- Statements -------------------------------------------------------------
+
+    def _fetchone(self, sql: str, params: dict[str, Any]) -> Any:
+        with self._cursor() as cursor:
+            self._execute(cursor, sql, params)
+            return cursor.fetchone()
+
+    def _fetchall(self, sql: str, params: dict[str, Any]) -> list[Any]:
+        with self._cursor() as cursor:
+            self._execute(cursor, sql, params)
+            return cursor.fetchall()
+
+    def _cursor(self) -> psycopg.Cursor[Any]:
+        """A cursor with server-side binding on Django's connection, so that each
+        statement here is prepared once per connection and then only executed
+        (Django's own cursors bind client-side: every query is planned anew)."""
+        self.connection.ensure_connection()
+        raw = self.connection.connection
+        if (
+            raw.prepare_threshold is None
+            and self.prepare
+            and not self.connection.settings_dict["OPTIONS"].get("server_side_binding")
+        ):
+            # Django turns psycopg's statement preparation off. Its own cursors
+            # bind client-side and are never prepared, so this turns it on only
+            # for the cursors made here.
+            raw.prepare_threshold = PREPARE_THRESHOLD
+        return psycopg.Cursor(raw)
+
+    def _execute(
+        self, cursor: psycopg.Cursor[Any], sql: str, params: dict[str, Any]
+    ) -> None:
+        # Inside a caller's transaction, a savepoint: a failed statement must not
+        # leave that transaction aborted (as Django's atomic() guarantees for the
+        # ORM path). Errors surface as Django's (IntegrityError...).
+        savepoint = (
+            transaction.atomic(using=self.connection.alias)
+            if self.connection.in_atomic_block
+            else nullcontext()
+        )
+        with savepoint, self.connection.wrap_database_errors:
+            cursor.execute(sql, params, prepare=self.prepare)
+
+    def _from_db(self, model: type[Model], fields: Any, values: Any) -> Any:
+        """A model instance from a row of its concrete columns, as the ORM builds
+        it (``from_db`` plus the fields' converters: JSON arrives as text)."""
+        converted = [
+            f.from_db_value(v, None, self.connection)
+            if hasattr(f, "from_db_value")
+            else v
+            for f, v in zip(fields, values, strict=True)
+        ]
+        return model.from_db(
+            self.connection.alias, [f.attname for f in fields], converted
+        )

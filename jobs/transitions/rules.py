@@ -1,0 +1,63 @@
+"""The policy every transition follows, whichever backend writes it.
+
+Messages left in the ledger and on jobs, how long a lease lasts, how failures
+back off, how long an operator's cancel may take before reconciliation finishes
+it. Pure values and functions: both backends (and the tests) read them here.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+
+MAX_ERROR_CHARS = 10_000
+
+# What an expired lease leaves in the ledger and, on the last attempt, on the
+# job ({n}: its max attempts).
+LEASE_EXPIRED = "The lease expired: the worker stopped heartbeating."
+GAVE_UP = (
+    "Gave up: the lease expired on the last allowed attempt ({n} of {n}). If this "
+    "repeats after a retry, the audio may be crashing workers."
+)
+FORCED_BY_ADMIN = "The lease was ended by an administrator."
+BATCH_CANCELLED = "The batch was cancelled."
+EXHAUSTED = "Failed by reconciliation: queued with no attempts left."
+
+# How many open batches one claim looks at before it reports "nothing claimable".
+CLAIM_BATCH_CANDIDATES = 50
+
+# An operator's cancel normally finishes within its own request; one whose batch
+# still has unfinished jobs after this long was interrupted, and the next claim
+# or sweep finishes it.
+CANCEL_GRACE = timedelta(seconds=30)
+
+
+def gave_up(max_attempts: int) -> str:
+    return GAVE_UP.replace("{n}", str(max_attempts))
+
+
+def truncate_error(error: str) -> str:
+    """Errors are diagnostics: keep a long one, cut to MAX_ERROR_CHARS."""
+    if len(error) <= MAX_ERROR_CHARS:
+        return error
+    marker = "\n[… truncated]"
+    return error[: MAX_ERROR_CHARS - len(marker)] + marker
+
+
+def retry_delay(attempts: int) -> timedelta:
+    """Exponential backoff after a retryable failure of attempt number ``attempts``."""
+    base = settings.RECALL_RETRY_BACKOFF_SECONDS
+    seconds = min(
+        base * 2 ** max(attempts - 1, 0), settings.RECALL_RETRY_BACKOFF_MAX_SECONDS
+    )
+    return timedelta(seconds=seconds)
+
+
+def lease_duration() -> timedelta:
+    return timedelta(seconds=settings.RECALL_LEASE_SECONDS)
+
+
+def heartbeat_interval() -> int:
+    """Seconds between heartbeats we ask of workers: three chances per lease."""
+    return max(1, settings.RECALL_LEASE_SECONDS // 3)

@@ -1,0 +1,424 @@
+"""The PostgreSQL backend's statements, each written once and named.
+
+A worker's claim and complete run thousands of times a minute. Through the ORM
+a claim plus a complete is about fifteen statements, each built in Python and
+planned anew; here each hot transition is one statement that locks its rows,
+checks that they agree, and only then writes them all (job, item, counter
+shard, ledger row, throughput minute), exactly what the ORM backend writes.
+
+Every table and column name comes from the models' ``_meta`` (``{job}`` is the
+job table, ``{job.leased_by}`` its column), every status from the models'
+enums and ``item_status_for`` (``{job_status[leased]}``,
+``{item_for[leased]}``), so the statements cannot drift from the schema. The
+facts the ORM backend writes once in ``rows.py`` are written once here too, as
+fragments every statement shares: the claimable condition (``CLAIMABLE``), the
+counter shift and the throughput upsert (``shift_and_record``), and the clock
+(``{now}``: the caller's instant, or the database's ``statement_timestamp()``
+when the caller passes none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Model
+
+from batches.models import (
+    COUNTER_COLUMNS,
+    COUNTER_SHARDS,
+    Batch,
+    BatchCounter,
+    BatchItem,
+    BatchMinute,
+    ItemStatus,
+)
+from jobs.models import (
+    ITEM_STATUS_FOR_JOB,
+    Job,
+    JobStatus,
+    Lease,
+    LeaseEnd,
+    Tally,
+    Worker,
+)
+
+
+class Table:
+    """A model's table for SQL text: ``str()`` is its name, attributes are the
+    columns of its fields (an unknown field raises at import time)."""
+
+    def __init__(self, model: type[Model]) -> None:
+        self._meta = model._meta
+
+    def __str__(self) -> str:
+        return self._meta.db_table
+
+    def __getattr__(self, field: str) -> str:
+        return self._meta.get_field(field).column  # type: ignore[union-attr]
+
+    def columns(self, alias: str, prefix: str) -> str:
+        """Every concrete column as ``alias.col AS prefix_col``."""
+        return ", ".join(
+            f"{alias}.{f.column} AS {prefix}{f.column}"
+            for f in self._meta.concrete_fields
+        )
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+NAMES: dict[str, Any] = {
+    "job": Table(Job),
+    "item": Table(BatchItem),
+    "batch": Table(Batch),
+    "counter": Table(BatchCounter),
+    "minute": Table(BatchMinute),
+    "lease": Table(Lease),
+    "worker": Table(Worker),
+    "tally": Table(Tally),
+    "shards": COUNTER_SHARDS,
+    "job_status": {s.value: _quoted(s.value) for s in JobStatus},
+    "item_status": {s.value: _quoted(s.value) for s in ItemStatus},
+    "item_for": {j.value: _quoted(i.value) for j, i in ITEM_STATUS_FOR_JOB.items()},
+    "lease_end": {e.value: _quoted(e.value) for e in LeaseEnd},
+    # The clock: the caller's instant, else the database's (one value for the
+    # whole statement: statement_timestamp() is stable within it).
+    "now": "COALESCE(%(now)s::timestamptz, statement_timestamp())",
+    "lease_seconds": "make_interval(secs => %(lease_seconds)s)",
+}
+
+
+def sql(template: str, **more: Any) -> str:
+    return template.format(**NAMES, **more)
+
+
+# --- Shared fragments ------------------------------------------------------------
+
+# A job (alias j) a claim may take now.
+CLAIMABLE = sql(
+    """j.{job.status} = {job_status[queued]} AND j.{job.available_at} <= {now}
+    AND j.{job.attempts} < j.{job.max_attempts}"""
+)
+
+# A batch (alias b) whose jobs may be handed out (not paused, cancelled, finished).
+OPEN_BATCH = sql(
+    """b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+    AND b.{batch.finished_at} IS NULL"""
+)
+
+
+def shift_and_record(moves: str) -> str:
+    """CTEs that apply the item moves in CTE ``moves`` (batch_id, item_id, old,
+    new, ms) to the counter shards and count the finishes (done or failed) in
+    the minute's throughput bucket: ``rows.shift_counters`` and
+    ``rows.record_finished`` as SQL.
+
+    The shards are locked in (batch, shard) order, as every transition orders
+    them, and the minute rows after them (the upsert reads from ``counter``):
+    no deadlock.
+    """
+    deltas = ",\n".join(
+        f"sum((new = {q})::int - (old = {q})::int) AS d_{s},\n"
+        f"sum(((new = {q})::int - (old = {q})::int) * ms) AS d_{s}_ms"
+        for s, q in NAMES["item_status"].items()
+    )
+    counter = NAMES["counter"]
+    updates = ",\n".join(
+        f"{getattr(counter, column)} = c.{getattr(counter, column)} + locked.d_{column}"
+        for column in COUNTER_COLUMNS
+    )
+    return sql(
+        """shift AS (
+        SELECT batch_id, mod(item_id, {shards}) AS shard, {deltas},
+            count(*) FILTER (WHERE new = {item_status[done]}) AS f_done,
+            COALESCE(sum(ms) FILTER (WHERE new = {item_status[done]}), 0)
+                AS f_done_ms,
+            count(*) FILTER (WHERE new = {item_status[failed]}) AS f_failed,
+            COALESCE(sum(ms) FILTER (WHERE new = {item_status[failed]}), 0)
+                AS f_failed_ms
+        FROM {moves} WHERE old <> new GROUP BY 1, 2
+    ), locked AS (
+        SELECT c.{counter.id} AS counter_id, shift.*
+        FROM {counter} c
+        JOIN shift ON c.{counter.batch} = shift.batch_id
+            AND c.{counter.shard} = shift.shard
+        ORDER BY c.{counter.batch}, c.{counter.shard}
+        FOR NO KEY UPDATE OF c
+    ), counter AS (
+        UPDATE {counter} c SET {updates}
+        FROM locked WHERE c.{counter.id} = locked.counter_id
+        RETURNING locked.batch_id, locked.shard, locked.f_done, locked.f_done_ms,
+            locked.f_failed, locked.f_failed_ms
+    ), finished AS (
+        INSERT INTO {minute} ({minute.batch}, {minute.minute}, {minute.shard},
+            {minute.done}, {minute.done_ms}, {minute.failed}, {minute.failed_ms})
+        SELECT batch_id, date_trunc('minute', {now}), shard,
+            f_done, f_done_ms, f_failed, f_failed_ms
+        FROM counter WHERE f_done > 0 OR f_failed > 0
+        ORDER BY batch_id, shard
+        ON CONFLICT ({minute.batch}, {minute.minute}, {minute.shard}) DO UPDATE SET
+            {minute.done} = {minute}.{minute.done} + excluded.{minute.done},
+            {minute.done_ms} = {minute}.{minute.done_ms} + excluded.{minute.done_ms},
+            {minute.failed} = {minute}.{minute.failed} + excluded.{minute.failed},
+            {minute.failed_ms} = {minute}.{minute.failed_ms}
+                + excluded.{minute.failed_ms}
+    )""",
+        moves=moves,
+        deltas=deltas,
+        updates=updates,
+    )
+
+
+# --- Workers ---------------------------------------------------------------------
+
+# Every API request authenticates its worker by the token's clear prefix, and
+# takes the request's time from the database with it (no round trip more).
+WORKERS_WITH_PREFIX = sql(
+    """SELECT {columns}, statement_timestamp() FROM {worker} w
+    WHERE w.{worker.token_prefix} = %(prefix)s""",
+    columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
+)
+
+# --- Claim -----------------------------------------------------------------------
+
+# Is there an expired lease to reclaim, or an interrupted cancel to finish (each
+# a probe of a partial index that is empty unless so)?
+CHORES = sql(
+    """EXISTS (
+        SELECT 1 FROM {job} WHERE {job.status} = {job_status[leased]}
+            AND {job.lease_expires_at} < {now}
+    ) AS expired, EXISTS (
+        SELECT 1 FROM {batch}
+        WHERE {batch.cancelled_at} IS NOT NULL AND {batch.finished_at} IS NULL
+          AND {batch.cancelled_at} < {now} - %(cancel_grace)s::interval
+    ) AS cancelling"""
+)
+
+
+# Open batches with a claimable job (``unless`` this is true), by priority, then
+# age. The LATERAL ...
+# LIMIT 1 keeps that one probe of the claim index per batch (as a plain EXISTS
+# the planner may hash-join every queued job of every batch). Claims take jobs
+# in (created_at, id) order, the claim index's: within a batch the manifest's
+# order; by id alone, PostgreSQL may walk the primary key past every finished
+# job when its statistics say most jobs are queued.
+def candidates(*, unless: str = "true") -> str:
+    return sql(
+        """SELECT b.{batch.id} FROM {batch} b
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM {job} j WHERE j.{job.batch} = b.{batch.id} AND {claimable}
+        ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
+    ) AS claimable
+    WHERE {open_batch} AND {unless}
+    ORDER BY b.{batch.priority} DESC, b.{batch.id}""",
+        claimable=CLAIMABLE,
+        open_batch=OPEN_BATCH,
+        unless=unless,
+    )
+
+
+CLAIM_PLAN = f"SELECT {CHORES}, ARRAY({candidates()} LIMIT %(limit)s)"
+
+
+def _claim(*, prelude: str, batch_id: str, result: str) -> str:
+    """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
+    LOCKED), if its item agrees and no ledger row of an earlier lease was left
+    open. Returns the job's and item's columns as they were, the batch's name,
+    whether such a stray ledger row exists, and the lease's times."""
+    return sql(
+        """WITH {prelude} pick AS (
+        SELECT {job_columns}, {item_columns}, b.{batch.name} AS batch_name,
+            EXISTS (SELECT 1 FROM {lease} l
+                    WHERE l.{lease.job} = j.{job.id} AND l.{lease.ended_at} IS NULL)
+                AS stray_lease,
+            {now} AS at, {now} + {lease_seconds} AS expires
+        FROM {job} j
+        JOIN {item} i ON i.{item.id} = j.{job.item}
+        JOIN {batch} b ON b.{batch.id} = j.{job.batch}
+        WHERE j.{job.batch} = {batch_id} AND {claimable}
+          AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+        ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
+        FOR NO KEY UPDATE OF j, i SKIP LOCKED
+    ), clean AS (
+        SELECT * FROM pick
+        WHERE i_{item.status} = {item_for[queued]} AND NOT stray_lease
+    ), job AS (
+        UPDATE {job} SET {job.status} = {job_status[leased]},
+            {job.lease_token} = %(token)s, {job.leased_by} = %(worker)s,
+            {job.lease_expires_at} = clean.expires, {job.heartbeat_at} = clean.at,
+            {job.attempts} = clean.j_{job.attempts} + 1, {job.updated_at} = clean.at
+        FROM clean WHERE {job}.{job.id} = clean.j_{job.id}
+        RETURNING {job}.{job.id}, {job}.{job.attempts}, clean.at, clean.expires
+    ), item AS (
+        UPDATE {item} SET {item.status} = {item_for[leased]},
+            {item.updated_at} = clean.at
+        FROM clean WHERE {item}.{item.id} = clean.i_{item.id}
+    ), moves AS (
+        SELECT j_{job.batch} AS batch_id, i_{item.id} AS item_id,
+            i_{item.status} AS old, {item_for[leased]} AS new,
+            COALESCE(i_{item.duration_ms}, 0) AS ms
+        FROM clean
+    ), {shift}, opened AS (
+        INSERT INTO {lease} ({lease.job}, {lease.worker}, {lease.token},
+            {lease.attempt}, {lease.claimed_at}, {lease.heartbeat_at},
+            {lease.expires_at}, {lease.error})
+        SELECT id, %(worker)s, %(token)s, attempts, at, at, expires, '' FROM job
+    )
+    {result}""",
+        prelude=prelude,
+        batch_id=batch_id,
+        job_columns=NAMES["job"].columns("j", "j_"),
+        item_columns=NAMES["item"].columns("i", "i_"),
+        claimable=CLAIMABLE,
+        shift=shift_and_record("moves"),
+        result=result,
+    )
+
+
+CLAIM = _claim(prelude="", batch_id="%(batch)s", result="SELECT * FROM pick")
+
+# The common case in one statement: nothing to do first, and the first open
+# batch with a claimable job has one no other claim holds. Returns the chores'
+# flags, the first batch, and the job as CLAIM does if there was one (else
+# NULLs): when there is none the caller takes the long way (CLAIM_PLAN, then
+# CLAIM per candidate batch), which also covers chores and taken or drifted rows.
+CLAIM_FIRST = _claim(
+    prelude=f"""chores AS (
+        SELECT {CHORES}
+    ), first AS (
+        {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
+        LIMIT 1
+    ),""",
+    batch_id="(SELECT id FROM first)",
+    result=sql(
+        "SELECT chores.*, (SELECT id FROM first), {now} AS at, pick.* "
+        "FROM chores LEFT JOIN pick ON true"
+    ),
+)
+
+# --- Complete --------------------------------------------------------------------
+
+# leased -> completed under this lease, if the item and the ledger row agree.
+# Returns the item's status and the open ledger row found (no row at all: the
+# lease is not live), with what the caller logs.
+COMPLETE = sql(
+    """WITH target AS (
+        SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
+            j.{job.attempts} AS attempts, i.{item.status} AS item_status,
+            COALESCE(i.{item.duration_ms}, 0) AS ms, l.{lease.id} AS lease_id,
+            {now} AS at
+        FROM {job} j
+        JOIN {item} i ON i.{item.id} = j.{job.item}
+        LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
+            AND l.{lease.ended_at} IS NULL
+        WHERE j.{job.id} = %(job)s AND j.{job.status} = {job_status[leased]}
+          AND j.{job.lease_token} = %(token)s AND j.{job.leased_by} = %(worker)s
+        FOR NO KEY UPDATE OF j, i
+    ), clean AS (
+        SELECT * FROM target
+        WHERE item_status = {item_for[leased]} AND lease_id IS NOT NULL
+    ), job AS (
+        UPDATE {job} SET {job.status} = {job_status[completed]},
+            {job.result} = %(result)s::jsonb, {job.lease_token} = NULL,
+            {job.leased_by} = NULL, {job.lease_expires_at} = NULL,
+            {job.finished_at} = clean.at, {job.updated_at} = clean.at
+        FROM clean WHERE {job}.{job.id} = clean.id
+    ), closed AS (
+        UPDATE {lease} SET {lease.ended_at} = clean.at,
+            {lease.end_reason} = {lease_end[completed]}, {lease.error} = ''
+        FROM clean WHERE {lease}.{lease.id} = clean.lease_id
+    ), item AS (
+        UPDATE {item} SET {item.status} = {item_for[completed]},
+            {item.updated_at} = clean.at
+        FROM clean WHERE {item}.{item.id} = clean.item_id
+    ), moves AS (
+        SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms
+        FROM clean
+    ), {shift}
+    SELECT item_status, lease_id, batch_id, attempts, at FROM target""",
+    shift=shift_and_record("moves"),
+)
+
+# --- Reclaim ---------------------------------------------------------------------
+
+# leased -> queued (attempts left) or failed (none left) for up to ``size``
+# expired leases, oldest first (SKIP LOCKED: concurrent sweeps and claims share
+# the work), whose items and ledger rows agree. Returns every job it looked at,
+# and whether it was clean (the others are left to the ORM path).
+#
+# One reclaimer at a time: every chunk first takes a transaction-level advisory
+# lock ({gate}). A sweep waits for it; a claim only tries, and if another
+# process is reclaiming right then, claims without waiting. Reclaims all shift
+# the same counter rows of a batch, so several at once only queue on them.
+RECLAIM_GATE_KEY = 0x7265636C61696D  # "reclaim"
+_RECLAIM = sql(
+    """WITH gate AS (
+        {{gate}}
+    ), pick AS (
+        SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
+            j.{job.attempts} AS attempts, j.{job.max_attempts} AS max_attempts,
+            j.{job.leased_by} AS worker_id, i.{item.status} AS item_status,
+            COALESCE(i.{item.duration_ms}, 0) AS ms,
+            (SELECT l.{lease.id} FROM {lease} l
+             WHERE l.{lease.token} = j.{job.lease_token}
+               AND l.{lease.ended_at} IS NULL) AS lease_id,
+            {now} AS at
+        FROM {job} j
+        JOIN {item} i ON i.{item.id} = j.{job.item}
+        WHERE j.{job.status} = {job_status[leased]}
+          AND j.{job.lease_expires_at} < {now}
+          AND (SELECT open FROM gate)
+        ORDER BY j.{job.lease_expires_at} LIMIT %(size)s
+        FOR NO KEY UPDATE OF j, i SKIP LOCKED
+    ), clean AS (
+        SELECT *, attempts < max_attempts AS requeue,
+            replace(%(gave_up)s, '{{n}}', max_attempts::text) AS gave_up
+        FROM pick
+        WHERE item_status = {item_for[leased]} AND lease_id IS NOT NULL
+    ), job AS (
+        UPDATE {job} j SET
+            {job.status} = CASE WHEN clean.requeue THEN {job_status[queued]}
+                                ELSE {job_status[failed]} END,
+            {job.lease_token} = NULL, {job.leased_by} = NULL,
+            {job.lease_expires_at} = NULL, {job.updated_at} = clean.at,
+            {job.available_at} = CASE WHEN clean.requeue THEN clean.at
+                                      ELSE j.{job.available_at} END,
+            {job.finished_at} = CASE WHEN clean.requeue THEN NULL ELSE clean.at END,
+            {job.last_error} = CASE WHEN clean.requeue THEN j.{job.last_error}
+                                    ELSE clean.gave_up END
+        FROM clean WHERE j.{job.id} = clean.id
+    ), closed AS (
+        UPDATE {lease} l SET {lease.ended_at} = clean.at,
+            {lease.end_reason} = {lease_end[expired]},
+            {lease.error} = CASE WHEN clean.requeue THEN %(expired)s
+                                 ELSE clean.gave_up END
+        FROM clean WHERE l.{lease.id} = clean.lease_id
+    ), item AS (
+        UPDATE {item} i SET {item.updated_at} = clean.at,
+            {item.status} = CASE WHEN clean.requeue THEN {item_for[queued]}
+                                 ELSE {item_for[failed]} END
+        FROM clean WHERE i.{item.id} = clean.item_id
+    ), moves AS (
+        SELECT batch_id, item_id, item_status AS old,
+            CASE WHEN requeue THEN {item_for[queued]} ELSE {item_for[failed]} END
+                AS new,
+            ms
+        FROM clean
+    ), {shift}, tallied AS (
+        INSERT INTO {tally} ({tally.name}, {tally.count})
+        SELECT 'leases_expired', count(*) FROM clean HAVING count(*) > 0
+        ON CONFLICT ({tally.name}) DO UPDATE
+            SET {tally.count} = {tally}.{tally.count} + excluded.{tally.count}
+    )
+    SELECT id, item_status = {item_for[leased]} AND lease_id IS NOT NULL,
+        attempts < max_attempts, attempts, worker_id, batch_id
+    FROM pick""",
+    shift=shift_and_record("moves"),
+)
+RECLAIM_WAITING = _RECLAIM.replace(
+    "{gate}", f"SELECT true AS open FROM pg_advisory_xact_lock({RECLAIM_GATE_KEY})"
+)
+RECLAIM_UNLESS_BUSY = _RECLAIM.replace(
+    "{gate}", f"SELECT pg_try_advisory_xact_lock({RECLAIM_GATE_KEY}) AS open"
+)
