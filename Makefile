@@ -14,7 +14,7 @@ CHAOS_ITEMS ?= 3000
 # make bench knobs (see `python -m bench --help`), e.g. BENCH_ARGS="--only 5,6".
 BENCH_ARGS ?=
 
-.PHONY: demo run test chaos bench lint format clean
+.PHONY: demo run test chaos bench lint typecheck format clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,9 @@ bench: $(VENV)/.dev
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+typecheck: $(VENV)/.dev
+	SECRET_KEY=typecheck-only DEBUG=on $(VENV)/bin/mypy
 
 format: $(VENV)/.dev
 	$(VENV)/bin/ruff format .

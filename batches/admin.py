@@ -11,6 +11,8 @@ comes read-only from the sharded counters, never from counting items.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
 from django.db.models import IntegerField, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce
@@ -78,9 +80,12 @@ class StateFilter(admin.SimpleListFilter):
             "finished": {"cancelled_at__isnull": True, "finished_at__isnull": False},
             "cancelled": {"cancelled_at__isnull": False},
         }
-        if self.value() is None:
+        value = self.value()
+        if value is None:
             return None
-        return queryset.filter(**filters.get(self.value(), {"pk__in": []}))
+        if value not in filters:
+            return queryset.none()
+        return queryset.filter(**filters[value])
 
 
 @admin.register(Batch)
@@ -126,7 +131,7 @@ class BatchAdmin(admin.ModelAdmin):
         ),
     )
     readonly_fields = tuple(
-        name for _, options in fieldsets[1:] for name in options["fields"]
+        str(name) for _, options in fieldsets[1:] for name in options["fields"]
     )
 
     def get_queryset(self, request) -> QuerySet:
@@ -151,34 +156,35 @@ class BatchAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
 
-    # Progress: annotated from the counters (get_queryset), list and change page.
+    # Progress: annotated from the counters (get_queryset), list and change page;
+    # ``batch`` is a Batch with ``n_<status>`` annotations.
 
     @admin.display(description="state")
     def state(self, batch: Batch) -> str:
         return batch_state(batch)
 
     @admin.display(description="queued", ordering="n_queued")
-    def queued(self, batch: Batch) -> int:
+    def queued(self, batch: Any) -> int:
         return batch.n_queued
 
     @admin.display(description="transcribing", ordering="n_transcribing")
-    def transcribing(self, batch: Batch) -> int:
+    def transcribing(self, batch: Any) -> int:
         return batch.n_transcribing
 
     @admin.display(description="done", ordering="n_done")
-    def done(self, batch: Batch) -> int:
+    def done(self, batch: Any) -> int:
         return batch.n_done
 
     @admin.display(description="failed", ordering="n_failed")
-    def failed(self, batch: Batch) -> int:
+    def failed(self, batch: Any) -> int:
         return batch.n_failed
 
     @admin.display(description="cancelled", ordering="n_cancelled")
-    def cancelled(self, batch: Batch) -> int:
+    def cancelled(self, batch: Any) -> int:
         return batch.n_cancelled
 
     @admin.display(description="finished")
-    def finished_percent(self, batch: Batch) -> str:
+    def finished_percent(self, batch: Any) -> str:
         if not batch.total:
             return "-"
         finished = batch.n_done + batch.n_failed + batch.n_cancelled

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from django.conf import settings
 from django.contrib import admin
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.contenttypes.models import ContentType
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import connections
 from django.db.models import Model, QuerySet
@@ -52,7 +54,8 @@ class EstimatedCountPaginator(Paginator):
 
     @cached_property
     def count(self) -> int:
-        estimate = estimated_rows(self.object_list)
+        rows = self.object_list
+        estimate = estimated_rows(rows) if isinstance(rows, QuerySet) else None
         if estimate is not None:
             self.estimated = True
             return estimate
@@ -80,7 +83,8 @@ class BigTableAdmin(ReadOnlyAdmin):
     show_facets = admin.ShowFacets.NEVER  # a facet is a COUNT per choice
     paginator = EstimatedCountPaginator
     ordering = ("-pk",)
-    sortable_by = ("id",)  # sorting by anything else sorts the whole table
+    # Sorting by anything else sorts the whole table.
+    sortable_by: ClassVar[tuple[str, ...]] = ("id",)
 
 
 class ReadOnlyInline(admin.TabularInline):
@@ -156,7 +160,7 @@ class BatchFilter(admin.SimpleListFilter):
     def queryset(self, request, queryset: QuerySet) -> QuerySet | None:
         if self.value() is None:
             return None
-        number = as_id(self.value())
+        number = as_id(self.value() or "")
         if number is None or number > MAX_ID:
             return queryset.none()
         return queryset.filter(**{self.field: number})
@@ -256,12 +260,19 @@ def render_confirmation(
     return TemplateResponse(request, "admin/jobs/confirm_action.html", context)
 
 
+def _user_id(request: HttpRequest) -> int:
+    """The acting admin's id (the admin lets no anonymous user act)."""
+    if request.user.pk is None:
+        raise PermissionDenied("Log in to act.")
+    return int(request.user.pk)
+
+
 def log_changes(request: HttpRequest, objects, message: str) -> None:
     """One admin LogEntry ("changed") per object, written in one INSERT."""
     objects = list(objects)
     if objects:
         LogEntry.objects.log_actions(
-            user_id=request.user.pk,
+            user_id=_user_id(request),
             queryset=objects,
             action_flag=CHANGE,
             change_message=message,
@@ -275,7 +286,7 @@ def log_change_by_id(
     loading them; id None records an action on the model as a whole."""
     LogEntry.objects.bulk_create(
         LogEntry(
-            user_id=request.user.pk,
+            user_id=_user_id(request),
             content_type=ContentType.objects.get_for_model(model),
             object_id=None if pk is None else str(pk),
             object_repr=text[:200],

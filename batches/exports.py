@@ -98,6 +98,7 @@ def _transcript_files(batch: Batch) -> Iterator[tuple[str, bytes]]:
             .values_list("pk", "source", "job__result")[:CHUNK]
         )
         for pk, source, result in chunk:
+            result = result or {}
             stem = f"{pk:08d}-{_safe_stem(source)}"
             yield f"{stem}.txt", (result.get("text", "") + "\n").encode()
             if segments := result.get("segments"):

@@ -41,7 +41,7 @@ class NewBatchForm(forms.Form):
         return manifest
 
     def clean(self):
-        cleaned = super().clean()
+        cleaned = super().clean() or {}
         has_file = bool(cleaned.get("manifest"))
         has_text = bool((cleaned.get("sources") or "").strip())
         if has_file and has_text:
@@ -61,7 +61,9 @@ class ItemFilterForm(forms.Form):
         from .models import ItemStatus
 
         super().__init__(*args, **kwargs)
-        self.fields["state"].choices = [("", "all states"), *ItemStatus.choices]
+        state = self.fields["state"]
+        if isinstance(state, forms.ChoiceField):
+            state.choices = [("", "all states"), *ItemStatus.choices]
 
     def clean_q(self):
         q = self.cleaned_data["q"]

@@ -237,7 +237,8 @@ def _duration(text: str) -> tuple[int | None, str | None]:
 
 def validate_manifest(lines: Iterable[bytes | str]) -> tuple[int, list[LineError], int]:
     """Count the entries and collect the first errors: (items, errors, total errors)."""
-    items, errors, total = 0, [], 0
+    items, total = 0, 0
+    errors: list[LineError] = []
     limit = settings.RECALL_MAX_MANIFEST_ITEMS
     for parsed in parse_manifest(lines):
         if isinstance(parsed, LineError):

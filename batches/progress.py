@@ -193,13 +193,16 @@ def progress_for_many(
         f"{ItemStatus.QUEUED}_ms",
         f"{ItemStatus.TRANSCRIBING}_ms",
     ]
-    for row in (
+    for batch_id, *sums in (
         BatchCounter.objects.filter(batch_id__in=ids)
         .values("batch_id")
-        .annotate(**{c: Sum(c) for c in columns})
+        .annotate(**{f"sum_{c}": Sum(c) for c in columns})
+        .values_list("batch_id", *(f"sum_{c}" for c in columns))
         .order_by()
     ):
-        counts[row["batch_id"]].update({c: row[c] or 0 for c in columns})
+        counts[batch_id].update(
+            {c: value or 0 for c, value in zip(columns, sums, strict=True)}
+        )
 
     history_start = minute_floor(now - (CHART_WINDOW if chart else RATE_WINDOW))
     rate_start = minute_floor(now - RATE_WINDOW)
@@ -296,7 +299,7 @@ def _eta(
         remaining_ms = c[f"{ItemStatus.QUEUED}_ms"] + c[f"{ItemStatus.TRANSCRIBING}_ms"]
         rate = rate_per_second(f["done_ms"] + f["failed_ms"], seconds)
         eta = eta_seconds(remaining_ms, rate)
-        if eta is None:
+        if eta is None or rate is None:
             return None, f"Unknown: no item finished in the last {window}."
         return eta, (
             f"{format_duration(remaining_ms / 1000)} of audio left in {remaining} "
@@ -305,7 +308,7 @@ def _eta(
         )
     rate = rate_per_second(f["done"] + f["failed"], seconds)
     eta = eta_seconds(remaining, rate)
-    if eta is None:
+    if eta is None or rate is None:
         return None, f"Unknown: no item finished in the last {window}."
     return eta, (
         f"{remaining} items left, at {rate * 60:.1f} items per minute finished "

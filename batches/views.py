@@ -10,6 +10,7 @@ refreshing script only swaps fragments.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import wraps
@@ -398,8 +399,8 @@ def _new_form(
     request: HttpRequest,
     form: NewBatchForm,
     *,
-    top_errors: list[str] = (),
-    line_errors: list = (),
+    top_errors: Sequence[str] = (),
+    line_errors: Sequence[object] = (),
     more_errors: int = 0,
     status: int = 200,
 ) -> HttpResponse:
@@ -483,8 +484,8 @@ def batch_cancel(request: HttpRequest, batch: Batch) -> None:
     cancelled = transitions.cancel_batch(
         batch, actor=request.user, time_limit=ACTION_SECONDS
     )
-    left = batch.counts()
-    left = left[ItemStatus.QUEUED] + left[ItemStatus.TRANSCRIBING]
+    counts = batch.counts()
+    left = counts[ItemStatus.QUEUED] + counts[ItemStatus.TRANSCRIBING]
     messages.success(
         request,
         f"Cancelled: {cancelled} queued or in-flight item(s) cancelled. "

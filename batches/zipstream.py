@@ -65,7 +65,7 @@ def stream_zip(
             big_offset = offset > ZIP32_LIMIT
             central_extra = b""
             if zip64 or big_offset:
-                fields = (size, csize) if zip64 else ()
+                fields: tuple[int, ...] = (size, csize) if zip64 else ()
                 fields += (offset,) if big_offset else ()
                 central_extra = struct.pack(
                     f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields

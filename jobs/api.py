@@ -255,12 +255,15 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
     job = transitions.claim_next(worker, now=now)
     if job is None:
         return HttpResponse(status=204)
+    expires = job.lease_expires_at
+    if expires is None:  # a leased job always has one (a check constraint)
+        raise RuntimeError(f"job {job.pk} was leased without an expiry")
     return JsonResponse(
         {
             "job": {
                 "id": job.pk,
                 "lease_token": job.lease_token,
-                "lease_expires_at": job.lease_expires_at.isoformat(),
+                "lease_expires_at": expires.isoformat(),
                 "lease_seconds": settings.RECALL_LEASE_SECONDS,
                 "heartbeat_interval": heartbeat_interval(),
                 "attempt": job.attempts,

@@ -12,7 +12,6 @@ from datetime import datetime, timedelta
 
 from django.db.models import Count, F, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
-from django.utils import timezone
 
 from batches.models import (
     COUNTER_COLUMNS,
@@ -23,6 +22,7 @@ from batches.models import (
     ItemStatus,
 )
 
+from . import transitions
 from .models import Job, JobStatus, Lease, LeaseEnd, agreeing_item_status
 
 # Report at most this many offending rows per check.
@@ -48,7 +48,7 @@ def find_violations(
     ``stale_leases=False`` skips the one check that depends on the sweeper having
     run recently (for tests that move a fake clock without sweeping).
     """
-    now = now or timezone.now()
+    now = now or transitions.now()
     found: list[Violation] = []
     checks = [
         _items_agree_with_jobs,

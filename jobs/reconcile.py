@@ -88,7 +88,7 @@ def reconcile(
         batches = batches.filter(recount_requested_at__isnull=False)
     for batch_id, requested_at in batches.values_list("pk", "recount_requested_at"):
         report.counters_fixed += transitions.recount(
-            batch_id, requested_at=requested_at
+            batch_id, now=now, requested_at=requested_at
         )
     if report.repairs:
         log.warning("reconcile healed: %s", report.as_dict())

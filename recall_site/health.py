@@ -12,7 +12,9 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import DatabaseError, connection
 from django.http import HttpRequest, JsonResponse
-from django.utils import timezone
+
+from jobs import transitions
+from jobs.models import SweepState
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
@@ -20,8 +22,6 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 def readyz(request: HttpRequest) -> JsonResponse:
-    from jobs.models import SweepState
-
     reasons: list[str] = []
     last_sweep = None
     try:
@@ -33,12 +33,13 @@ def readyz(request: HttpRequest) -> JsonResponse:
         reasons.append(f"database unreachable: {error.__class__.__name__}")
     else:
         limit = timedelta(seconds=settings.RECALL_READY_MAX_SWEEP_AGE_SECONDS)
+        now = transitions.now()  # the sweep's time is the database's too
         if last_sweep is None:
             reasons.append(
                 "no sweep has finished yet (is the django-q2 cluster running?)"
             )
-        elif timezone.now() - last_sweep > limit:
-            age = int((timezone.now() - last_sweep).total_seconds())
+        elif now - last_sweep > limit:
+            age = int((now - last_sweep).total_seconds())
             reasons.append(
                 f"the last sweep finished {age} s ago (limit "
                 f"{int(limit.total_seconds())} s): is the django-q2 cluster running?"

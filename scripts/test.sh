@@ -2,8 +2,10 @@
 # The test command behind `make test`.
 #
 # 1. Every test on PostgreSQL (TEST_DATABASE_URL; pytest-django creates and drops
-#    a test_<name> database there).
-# 2. The state-machine, API and intake tests again on the embedded SQLite default.
+#    a test_<name> database there), through the PostgreSQL statement backend.
+# 2. The transition, API and state-machine tests (tests/jobs) again on PostgreSQL
+#    through the portable ORM backend (RECALL_TRANSITIONS_BACKEND=orm).
+# 3. The state-machine, API and intake tests again on the embedded SQLite default.
 #
 # If PostgreSQL is unreachable, step 1 is skipped with a warning, unless
 # RECALL_REQUIRE_POSTGRES=1 (CI), which makes that an error.
@@ -21,6 +23,9 @@ mkdir -p var/static
 if $PY scripts/db_reachable.py "$TEST_DATABASE_URL"; then
     echo "== tests on PostgreSQL"
     DATABASE_URL="$TEST_DATABASE_URL" $PY -m pytest "$@"
+    echo "== transition, API and state-machine tests on PostgreSQL, ORM backend"
+    DATABASE_URL="$TEST_DATABASE_URL" RECALL_TRANSITIONS_BACKEND=orm \
+        $PY -m pytest tests/jobs "$@"
 elif [ "${RECALL_REQUIRE_POSTGRES:-0}" = "1" ]; then
     echo "PostgreSQL is not reachable at $TEST_DATABASE_URL and RECALL_REQUIRE_POSTGRES=1." >&2
     exit 1

@@ -183,7 +183,7 @@ class JobAdmin(BigTableAdmin):
         ("History", {"fields": ("history_column",)}),
     )
     readonly_fields = tuple(
-        name for _, options in fieldsets for name in options["fields"]
+        str(name) for _, options in fieldsets for name in options["fields"]
     )
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
@@ -504,7 +504,7 @@ class JobAdmin(BigTableAdmin):
 
 def _describe(job: Job) -> str:
     text = f"job {job.pk}: {Truncator(job.item.source).chars(80)}"
-    if job.leased_by_id:
+    if job.leased_by is not None:
         text += f" (leased by {job.leased_by.name})"
     return link_to_id(Job, job.pk, text)
 

@@ -3,6 +3,8 @@ rotate tokens."""
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 from django import forms
 from django.contrib import admin, messages
 from django.db import transaction
@@ -24,6 +26,10 @@ from batches.admin_support import (
 from jobs import transitions
 from jobs.models import Job, Lease, Worker
 from jobs.tokens import issue_worker_token
+
+# The token of a worker just added, from save_model to response_add of the same
+# request (never stored anywhere else).
+_new_tokens: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
 
 
 def _workers(n: int) -> str:
@@ -115,7 +121,7 @@ class WorkerAdmin(admin.ModelAdmin):
 
     def save_model(self, request, obj: Worker, form, change: bool) -> None:
         if not change:
-            obj._new_token = issue_worker_token(obj)
+            _new_tokens[request] = issue_worker_token(obj)
         super().save_model(request, obj, form, change)
 
     def response_add(
@@ -124,7 +130,7 @@ class WorkerAdmin(admin.ModelAdmin):
         return self._token_page(
             request,
             title=f"Worker “{obj.name}” created",
-            tokens=[(obj, obj._new_token)],
+            tokens=[(obj, _new_tokens.pop(request))],
         )
 
     # Columns.

@@ -31,7 +31,7 @@ from typing import Any
 from django.db.models import QuerySet
 
 from batches.models import Batch
-from jobs.models import Job, Worker
+from jobs.models import Job, JobQuerySet, Worker
 
 from . import actions, repairs, workers
 from .actions import Audit
@@ -195,7 +195,7 @@ def reclaim_expired(
     now: datetime | None = None,
     limit: int | None = None,
     wait: bool = True,
-    among: QuerySet[Job] | None = None,
+    among: JobQuerySet | None = None,
 ) -> dict[str, int]:
     """leased -> queued (or failed, on the last attempt) for expired leases (of
     ``among`` only, if given), in bounded transactions. ``wait=False``: return
@@ -217,7 +217,7 @@ def force_reclaim(
 
 
 def force_reclaim_many(
-    jobs: QuerySet[Job],
+    jobs: JobQuerySet,
     *,
     actor: Any = None,
     now: datetime | None = None,
@@ -235,7 +235,7 @@ def cancel_job(
 
 
 def cancel_queued(
-    jobs: QuerySet[Job],
+    jobs: JobQuerySet,
     *,
     actor: Any = None,
     now: datetime | None = None,
@@ -246,7 +246,7 @@ def cancel_queued(
 
 
 def retry_failed(
-    jobs: QuerySet[Job],
+    jobs: JobQuerySet,
     *,
     actor: Any = None,
     now: datetime | None = None,
@@ -344,8 +344,15 @@ def reopen_batch(job: Job | int, *, now: datetime | None = None) -> bool:
     return repairs.reopen_batch(_pk(job), now=_now(now))
 
 
-def recount(batch_id: int, *, requested_at: datetime | None = None) -> bool:
-    return repairs.recount(batch_id, requested_at=requested_at)
+def recount(
+    batch_id: int,
+    *,
+    now: datetime | None = None,
+    requested_at: datetime | None = None,
+) -> bool:
+    """Make a batch's counters equal a fresh count of its items; True if they
+    were wrong. Clears the batch's recount request if still ``requested_at``."""
+    return repairs.recount(batch_id, now=_now(now), requested_at=requested_at)
 
 
 def finish_cancel(

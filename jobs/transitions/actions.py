@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from batches.models import Batch, BatchCounter, ItemStatus
-from jobs.models import Event, Job, JobStatus, LeaseEnd
+from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd
 
 from .rows import group_by, log_lease, move_jobs, record_event, record_events
 from .rules import BATCH_CANCELLED, CANCEL_GRACE, FORCED_BY_ADMIN
@@ -45,7 +45,11 @@ def pause_batch(batch: Batch, *, now: datetime, actor: Any = None) -> bool:
         )
         if paused:
             record_event(
-                Event.Kind.BATCH_PAUSED, "Batch paused.", batch_id=batch.pk, actor=actor
+                Event.Kind.BATCH_PAUSED,
+                "Batch paused.",
+                at=now,
+                batch_id=batch.pk,
+                actor=actor,
             )
     batch.refresh_from_db(fields=["paused_at"])
     return bool(paused)
@@ -61,6 +65,7 @@ def resume_batch(batch: Batch, *, now: datetime, actor: Any = None) -> bool:
             record_event(
                 Event.Kind.BATCH_RESUMED,
                 "Batch resumed.",
+                at=now,
                 batch_id=batch.pk,
                 actor=actor,
             )
@@ -93,6 +98,7 @@ def cancel_batch(
             record_event(
                 Event.Kind.BATCH_CANCELLED,
                 "Batch cancelled.",
+                at=now,
                 batch_id=batch.pk,
                 actor=actor,
             )
@@ -224,6 +230,7 @@ def force_reclaim(job_id: int, *, now: datetime, actor: Any = None) -> Job | Non
         record_event(
             Event.Kind.FORCE_RECLAIMED,
             f"Lease of worker {worker} ended by force; job queued again.",
+            at=now,
             job=job,
             actor=actor,
         )
@@ -232,7 +239,7 @@ def force_reclaim(job_id: int, *, now: datetime, actor: Any = None) -> Job | Non
 
 
 def force_reclaim_many(
-    jobs: QuerySet[Job],
+    jobs: JobQuerySet,
     *,
     now: datetime,
     actor: Any = None,
@@ -265,12 +272,14 @@ def cancel_job(job_id: int, *, now: datetime, actor: Any = None) -> bool:
         if job is None:
             return False
         move_jobs([job], to=JobStatus.CANCELLED, now=now)
-        record_event(Event.Kind.CANCELLED, "Job cancelled.", job=job, actor=actor)
+        record_event(
+            Event.Kind.CANCELLED, "Job cancelled.", at=now, job=job, actor=actor
+        )
     return True
 
 
 def cancel_queued(
-    jobs: QuerySet[Job],
+    jobs: JobQuerySet,
     *,
     now: datetime,
     actor: Any = None,
@@ -284,13 +293,15 @@ def cancel_queued(
 
     def cancel(chunk: list[Job]) -> None:
         move_jobs(chunk, to=JobStatus.CANCELLED, now=now)
-        record_events(chunk, Event.Kind.CANCELLED, "Job cancelled.", actor)
+        record_events(
+            chunk, Event.Kind.CANCELLED, "Job cancelled.", at=now, actor=actor
+        )
 
     return _in_chunks(jobs, JobStatus.QUEUED, cancel, audit)
 
 
 def retry_failed(
-    jobs: QuerySet[Job],
+    jobs: JobQuerySet,
     *,
     now: datetime,
     actor: Any = None,
@@ -309,7 +320,11 @@ def retry_failed(
         )
         move_jobs(chunk, to=JobStatus.QUEUED, now=now, attempts=0)
         record_events(
-            chunk, Event.Kind.RETRIED, "Queued again with fresh attempts.", actor
+            chunk,
+            Event.Kind.RETRIED,
+            "Queued again with fresh attempts.",
+            at=now,
+            actor=actor,
         )
 
     return _in_chunks(
@@ -318,7 +333,7 @@ def retry_failed(
 
 
 def _in_chunks(
-    jobs: QuerySet[Job],
+    jobs: JobQuerySet,
     status: str,
     change: Callable[[list[Job]], None],
     audit: Audit | None,

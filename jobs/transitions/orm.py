@@ -393,9 +393,10 @@ class OrmBackend:
             )
             self._insert_items(batch, items, now=now)
             self._insert_jobs(batch, now=now)
-            shards = {
-                row["shard"]: row
-                for row in BatchItem.objects.filter(batch=batch)
+            # Per shard: (items, their duration sum in ms, items with a duration).
+            shards: dict[int, tuple[int, int, int]] = {
+                shard: (n, ms, timed)
+                for shard, n, ms, timed in BatchItem.objects.filter(batch=batch)
                 .annotate(shard=F("id") % COUNTER_SHARDS)
                 .values("shard")
                 .annotate(
@@ -403,21 +404,22 @@ class OrmBackend:
                     ms=Coalesce(Sum("duration_ms"), 0),
                     timed=Count("duration_ms"),
                 )
+                .values_list("shard", "n", "ms", "timed")
                 .order_by()
             }
             BatchCounter.objects.bulk_create(
                 BatchCounter(
                     batch=batch,
                     shard=shard,
-                    queued=shards.get(shard, {}).get("n", 0),
-                    queued_ms=shards.get(shard, {}).get("ms", 0),
+                    queued=shards.get(shard, (0, 0, 0))[0],
+                    queued_ms=shards.get(shard, (0, 0, 0))[1],
                 )
                 for shard in range(COUNTER_SHARDS)
             )
-            batch.total = sum(row["n"] for row in shards.values())
-            batch.total_ms = sum(row["ms"] for row in shards.values())
+            batch.total = sum(n for n, _, _ in shards.values())
+            batch.total_ms = sum(ms for _, ms, _ in shards.values())
             batch.durations_known = batch.total > 0 and batch.total == sum(
-                row["timed"] for row in shards.values()
+                timed for _, _, timed in shards.values()
             )
             batch.save(update_fields=["total", "total_ms", "durations_known"])
         return batch

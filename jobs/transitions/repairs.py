@@ -62,6 +62,7 @@ def close_stray_leases(job_id: int, *, now: datetime) -> int:
                 f"Closed lease-ledger row {lease.pk} (attempt {lease.attempt}) "
                 f"left open although the job is {job.status}.",
                 kind="lease_closed",
+                at=now,
             )
     return len(rows)
 
@@ -97,6 +98,7 @@ def restore_lease_row(job_id: int, *, now: datetime) -> bool:
             job,
             "Opened the missing lease-ledger row for the job's live lease.",
             kind="lease_restored",
+            at=now,
         )
     return True
 
@@ -114,7 +116,7 @@ def fail_exhausted(job_id: int, *, now: datetime) -> bool:
         if job is None:
             return False
         move_jobs([job], to=JobStatus.FAILED, now=now, last_error=EXHAUSTED)
-        record_repair(job, EXHAUSTED, kind="exhausted_failed")
+        record_repair(job, EXHAUSTED, kind="exhausted_failed", at=now)
     return True
 
 
@@ -138,11 +140,14 @@ def reopen_batch(job_id: int, *, now: datetime) -> bool:
             job,
             "The batch was marked finished but this job was not; reopened it.",
             kind="batch_reopened",
+            at=now,
         )
     return True
 
 
-def recount(batch_id: int, *, requested_at: datetime | None = None) -> bool:
+def recount(
+    batch_id: int, *, now: datetime, requested_at: datetime | None = None
+) -> bool:
     """Make a batch's counters equal a fresh count of its items; True if they
     were wrong (a repair, logged). Clears the batch's recount request if it is
     still ``requested_at`` (another repair may have asked again meanwhile).
@@ -172,12 +177,12 @@ def recount(batch_id: int, *, requested_at: datetime | None = None) -> bool:
         changed = False
         for shard in range(COUNTER_SHARDS):
             want = {c: actual[shard][c] for c in COUNTER_COLUMNS}
-            row = rows.get(shard)
-            if row is None:
+            kept = rows.get(shard)
+            if kept is None:
                 BatchCounter.objects.create(batch_id=batch_id, shard=shard, **want)
                 changed = True
-            elif any(getattr(row, c) != v for c, v in want.items()):
-                BatchCounter.objects.filter(pk=row.pk).update(**want)
+            elif any(getattr(kept, c) != v for c, v in want.items()):
+                BatchCounter.objects.filter(pk=kept.pk).update(**want)
                 changed = True
         stray, _ = BatchCounter.objects.filter(
             batch_id=batch_id, shard__gte=COUNTER_SHARDS
@@ -188,6 +193,7 @@ def recount(batch_id: int, *, requested_at: datetime | None = None) -> bool:
                 None,
                 "Progress counters differed from a recount of the items; fixed.",
                 kind="counters_fixed",
+                at=now,
                 batch_id=batch_id,
             )
         if requested_at is not None:

@@ -125,6 +125,7 @@ def move_items(jobs: Sequence[Job], *, was: str, to: str, now: datetime) -> None
                 job,
                 f"Item was {item.status} while its job was {was}; set to {new}.",
                 kind="item_drift",
+                at=now,
             )
             drifted.add(job.batch_id)
         moves.append(
@@ -269,6 +270,8 @@ def close_leases(
         return
     rows = dict(Lease.objects.filter(token__in=tokens).values_list("token", "ended_at"))
     for job in jobs:
+        if job.lease_token is None or job.leased_by_id is None:
+            raise InvalidMove(f"job {job.pk} has no live lease to close")
         if job.lease_token not in rows:
             Lease.objects.create(
                 job=job,
@@ -284,12 +287,14 @@ def close_leases(
                 job,
                 "The live lease had no ledger row; wrote it, closed.",
                 kind="ledger_row_written",
+                at=now,
             )
         elif rows[job.lease_token] != now:
             record_repair(
                 job,
                 "The live lease's ledger row was already closed.",
                 kind="ledger_row_closed_early",
+                at=now,
             )
 
 
@@ -300,27 +305,48 @@ def record_event(
     kind: str,
     message: str,
     *,
+    at: datetime,
     job: Job | None = None,
     batch_id: int | None = None,
     actor: Any = None,
 ) -> Event:
+    """One event, stamped with the transition's time (the database's clock)."""
     if batch_id is None and job is not None:
         batch_id = job.batch_id
     return Event.objects.create(
-        kind=kind, job=job, batch_id=batch_id, actor=actor, message=message
+        created_at=at,
+        kind=kind,
+        job=job,
+        batch_id=batch_id,
+        actor=actor,
+        message=message,
     )
 
 
-def record_events(jobs: Sequence[Job], kind: str, message: str, actor: Any) -> None:
+def record_events(
+    jobs: Sequence[Job], kind: str, message: str, *, at: datetime, actor: Any
+) -> None:
     """One event per job (an operator's or admin's action on each)."""
     Event.objects.bulk_create(
-        Event(kind=kind, job=job, batch_id=job.batch_id, actor=actor, message=message)
+        Event(
+            created_at=at,
+            kind=kind,
+            job=job,
+            batch_id=job.batch_id,
+            actor=actor,
+            message=message,
+        )
         for job in jobs
     )
 
 
 def record_repair(
-    job: Job | None, message: str, *, kind: str, batch_id: int | None = None
+    job: Job | None,
+    message: str,
+    *,
+    kind: str,
+    at: datetime,
+    batch_id: int | None = None,
 ) -> Event:
     """Log a reconciliation repair: an event row, a WARNING line, and the tally
     of repairs of this ``kind`` (the metric operators alert on)."""
@@ -334,7 +360,7 @@ def record_repair(
         extra={"job": job.pk if job else None, "batch": batch_id},
     )
     add_tally(f"repairs:{kind}", 1)
-    return record_event(Event.Kind.REPAIR, message, job=job, batch_id=batch_id)
+    return record_event(Event.Kind.REPAIR, message, at=at, job=job, batch_id=batch_id)
 
 
 def add_tally(name: str, n: int) -> None:

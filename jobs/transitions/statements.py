@@ -54,7 +54,10 @@ class Table:
         return self._meta.db_table
 
     def __getattr__(self, field: str) -> str:
-        return self._meta.get_field(field).column  # type: ignore[union-attr]
+        column = getattr(self._meta.get_field(field), "column", None)
+        if column is None:
+            raise AttributeError(f"{self._meta.db_table}.{field} has no column")
+        return str(column)
 
     def columns(self, alias: str, prefix: str) -> str:
         """Every concrete column as ``alias.col AS prefix_col``."""

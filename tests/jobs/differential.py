@@ -1,0 +1,338 @@
+"""Run one program of transitions through a backend and photograph every row.
+
+A program is a list of operations (plain tuples, so Hypothesis can generate
+them and a failure prints them). ``run(program, backend)`` starts from an empty
+database with its id sequences reset, builds the same world (users, workers,
+batches), applies the operations with explicit times, and returns what each
+operation answered and a snapshot of every row Recall writes after each step.
+Run on both backends, the two results must be equal: the only things
+normalised are tokens (random by design) and values the transitions do not
+write (a worker's token hash, its creation time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.contrib.auth.models import User
+from django.db import connection
+from django.test.utils import override_settings
+
+from batches.models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
+from jobs import transitions
+from jobs.exceptions import LeaseLost
+from jobs.models import Event, Job, Lease, SweepState, Tally, Worker
+from jobs.reconcile import reconcile
+from jobs.sweep import sweep
+
+from ..factories import T0, make_batch
+
+BACKENDS = ("auto", "orm")  # the PostgreSQL statement backend, the ORM backend
+WORKERS = 3
+# (items, priority, durations known): one batch with durations for the ms sums.
+BATCHES = ((4, 0, True), (3, 5, False), (2, 0, False))
+
+TABLES = [
+    Event,
+    Lease,
+    Job,
+    BatchMinute,
+    BatchCounter,
+    BatchItem,
+    Batch,
+    Worker,
+    Tally,
+    SweepState,
+]
+
+Op = tuple[Any, ...]
+
+
+@dataclass
+class World:
+    now: datetime = T0
+    workers: list[Worker] = field(default_factory=list)
+    batches: list[Batch] = field(default_factory=list)
+    actor: User | None = None
+    # Every lease handed out, in order: (job id, worker index, token).
+    leases: list[tuple[int, int, str]] = field(default_factory=list)
+
+    def job_ids(self) -> list[int]:
+        return list(Job.objects.order_by("pk").values_list("pk", flat=True))
+
+
+def reset() -> None:
+    """Empty every table Recall writes and restart their id sequences (inside
+    the test's transaction: PostgreSQL rolls the restart back with it)."""
+    tables = ", ".join(model._meta.db_table for model in TABLES)
+    with connection.cursor() as cursor:
+        # Django's foreign keys are checked at commit; TRUNCATE refuses to run
+        # while such checks are pending, so run them now.
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        cursor.execute(f"TRUNCATE {tables} RESTART IDENTITY CASCADE")
+        cursor.execute("SET CONSTRAINTS ALL DEFERRED")
+
+
+def build() -> World:
+    world = World()
+    world.actor = User.objects.get_or_create(username="differential-admin")[0]
+    world.workers = [transitions.create_worker(f"w{i}")[0] for i in range(WORKERS)]
+    for n, (items, priority, timed) in enumerate(BATCHES):
+        durations = [1.5 * (i + 1) for i in range(items)] if timed else None
+        world.batches.append(
+            make_batch(
+                items, name=f"b{n}", priority=priority, durations=durations, now=T0
+            )
+        )
+    return world
+
+
+def apply(world: World, op: Op) -> Any:
+    """Carry out one operation; return what it answered (compared too)."""
+    kind, *args = op
+    try:
+        return _APPLY[kind](world, *args)
+    except LeaseLost:
+        return "lease_lost"
+    except NoLease:
+        return "no lease handed out yet"
+
+
+class NoLease(Exception):
+    """An operation on the k-th lease before any lease was handed out."""
+
+
+def _claim(world: World, w: int) -> Any:
+    job = transitions.claim_next(world.workers[w], now=world.now)
+    if job is None:
+        return None
+    world.leases.append((job.pk, w, job.lease_token))
+    return (job.pk, job.attempts, job.lease_expires_at, job.batch_id)
+
+
+def _lease(world: World, k: int) -> tuple[int, Worker, str]:
+    if not world.leases:
+        raise NoLease
+    job_id, w, token = world.leases[k % len(world.leases)]
+    return job_id, world.workers[w], token
+
+
+def _heartbeat(world: World, k: int, stranger: int | None = None) -> Any:
+    job_id, worker, token = _lease(world, k)
+    if stranger is not None:
+        worker = world.workers[stranger]
+    return transitions.heartbeat(job_id, token, worker=worker, now=world.now)
+
+
+def _complete(world: World, k: int, text: str = "t") -> Any:
+    job_id, worker, token = _lease(world, k)
+    result = {
+        "text": text,
+        "segments": [{"start": 0.0, "end": 1.5, "text": text}],
+    }
+    return transitions.complete(
+        job_id, token, worker=worker, result=result, now=world.now
+    )
+
+
+def _fail(world: World, k: int, retryable: bool) -> Any:
+    job_id, worker, token = _lease(world, k)
+    return transitions.fail(
+        job_id,
+        token,
+        worker=worker,
+        error=f"engine error {k}",
+        retryable=retryable,
+        now=world.now,
+    )
+
+
+def _release(world: World, k: int) -> Any:
+    job_id, worker, token = _lease(world, k)
+    return transitions.release(job_id, token, worker=worker, now=world.now)
+
+
+def _tick(world: World, seconds: int) -> None:
+    world.now += timedelta(seconds=seconds)
+
+
+def _reclaim(world: World, limit: int | None = None) -> Any:
+    return transitions.reclaim_expired(now=world.now, limit=limit)
+
+
+def _sweep(world: World) -> Any:
+    report = sweep(now=world.now)
+    return report["reclaimed"], report["reconcile"], report.get("batches_finished")
+
+
+def _reconcile(world: World) -> Any:
+    return reconcile(now=world.now, recount=True).as_dict()
+
+
+def _job(world: World, j: int) -> int:
+    ids = world.job_ids()
+    return ids[j % len(ids)]
+
+
+def _force(world: World, j: int) -> Any:
+    return transitions.force_reclaim(_job(world, j), actor=world.actor, now=world.now)
+
+
+def _cancel_job(world: World, j: int) -> Any:
+    return transitions.cancel_job(_job(world, j), actor=world.actor, now=world.now)
+
+
+def _batch(world: World, b: int) -> Batch:
+    return world.batches[b % len(world.batches)]
+
+
+def _cancel_batch(world: World, b: int) -> Any:
+    return transitions.cancel_batch(_batch(world, b), actor=world.actor, now=world.now)
+
+
+def _cancel_queued(world: World, b: int) -> Any:
+    jobs = Job.objects.filter(batch=_batch(world, b))
+    return transitions.cancel_queued(jobs, actor=world.actor, now=world.now)
+
+
+def _retry(world: World, b: int) -> Any:
+    jobs = Job.objects.filter(batch=_batch(world, b))
+    return transitions.retry_failed(jobs, actor=world.actor, now=world.now)
+
+
+def _pause(world: World, b: int) -> Any:
+    return transitions.pause_batch(_batch(world, b), actor=world.actor, now=world.now)
+
+
+def _resume(world: World, b: int) -> Any:
+    return transitions.resume_batch(_batch(world, b), actor=world.actor, now=world.now)
+
+
+def _settle(world: World) -> Any:
+    return transitions.settle(now=world.now)
+
+
+# Drift, as a manual SQL edit, a restored backup or a bug would leave it: the
+# transitions must heal it the same way on both backends.
+
+
+def _drift_item(world: World, j: int, status: str) -> None:
+    job = Job.objects.get(pk=_job(world, j))
+    BatchItem.objects.filter(pk=job.item_id).update(status=status)
+
+
+def _stray_lease(world: World, j: int, w: int) -> None:
+    job_id = _job(world, j)
+    if not Lease.objects.filter(job_id=job_id, ended_at__isnull=True).exists():
+        Lease.objects.create(
+            job_id=job_id,
+            worker=world.workers[w],
+            token=f"stray-{job_id}-{len(world.leases)}",
+            attempt=1,
+            claimed_at=world.now,
+        )
+
+
+def _drop_ledger_row(world: World, k: int) -> None:
+    _, _, token = _lease(world, k)
+    Lease.objects.filter(token=token, ended_at__isnull=True).delete()
+
+
+def _exhaust(world: World, j: int) -> None:
+    Job.objects.filter(pk=_job(world, j), status="queued").update(
+        attempts=Job.objects.get(pk=_job(world, j)).max_attempts
+    )
+
+
+_APPLY = {
+    "claim": _claim,
+    "heartbeat": _heartbeat,
+    "complete": _complete,
+    "fail": _fail,
+    "release": _release,
+    "tick": _tick,
+    "reclaim": _reclaim,
+    "sweep": _sweep,
+    "reconcile": _reconcile,
+    "force": _force,
+    "cancel_job": _cancel_job,
+    "cancel_batch": _cancel_batch,
+    "cancel_queued": _cancel_queued,
+    "retry": _retry,
+    "pause": _pause,
+    "resume": _resume,
+    "settle": _settle,
+    "drift_item": _drift_item,
+    "stray_lease": _stray_lease,
+    "drop_ledger_row": _drop_ledger_row,
+    "exhaust": _exhaust,
+}
+ITEM_STATUSES = tuple(ItemStatus.values)
+
+
+def snapshot() -> dict[str, list[dict[str, Any]]]:
+    """Every row of every table the transitions write, normalised."""
+    tokens: dict[str, str] = {}
+
+    def token(value: str | None) -> str | None:
+        if value is None:
+            return None
+        return tokens.setdefault(value, f"token-{len(tokens)}")
+
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for model in TABLES:
+        rows[model._meta.db_table] = list(model.objects.order_by("pk").values())
+    for row in rows[Lease._meta.db_table]:
+        row["token"] = token(row["token"])
+    for row in rows[Job._meta.db_table]:
+        row["lease_token"] = token(row["lease_token"])
+    for row in rows[Worker._meta.db_table]:
+        # Made by create_worker from a random token and the process clock.
+        row.update(token_prefix="-", token_hash="-", created_at="-")
+    for row in rows[SweepState._meta.db_table]:
+        # The sweep's start plus however long it took: the moment of the clock.
+        row.update(last_finished_at="-")
+    return rows
+
+
+def _normalise_answer(answer: Any) -> Any:
+    """Answers are compared too; a Job stands for its id."""
+    if isinstance(answer, Job):
+        return ("job", answer.pk)
+    return answer
+
+
+def run(program: list[Op], backend: str) -> list[tuple[Op, Any, dict[str, Any]]]:
+    """The program's steps through ``backend``: (operation, answer, rows after)."""
+    with override_settings(RECALL_TRANSITIONS_BACKEND=backend):
+        reset()
+        world = build()
+        steps = [(("build",), None, snapshot())]
+        for op in program:
+            answer = _normalise_answer(apply(world, op))
+            steps.append((op, answer, snapshot()))
+    return steps
+
+
+def first_difference(
+    a: list[tuple[Op, Any, dict[str, Any]]], b: list[tuple[Op, Any, dict[str, Any]]]
+) -> str | None:
+    """Where two runs part (a readable account), or None if they never do."""
+    for (op, answer_a, rows_a), (_, answer_b, rows_b) in zip(a, b, strict=True):
+        if answer_a != answer_b:
+            return f"after {op}: answered {answer_a!r} vs {answer_b!r}"
+        for table, table_rows in rows_a.items():
+            other = rows_b[table]
+            if table_rows != other:
+                for row_a, row_b in zip(table_rows, other, strict=False):
+                    if row_a != row_b:
+                        diff = {
+                            k: (row_a[k], row_b.get(k))
+                            for k in row_a
+                            if row_a[k] != row_b.get(k)
+                        }
+                        return f"after {op}: {table} row {row_a.get('id')}: {diff}"
+                return f"after {op}: {table} has {len(table_rows)} vs {len(other)} rows"
+    return None
