@@ -183,7 +183,9 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(server):
     assert _wait_until(complete) == (200, {"status": "completed"})
     status, body = _request(base, "/api/v1/claim", token, {})
     assert status == 200
-    assert _booted_workers(server["log"]) == workers_before
+    log = server["log"]
+    log.seek(0)
+    assert _booted_workers(log) == workers_before, log.read()[-5000:]
     assert server["gunicorn"].poll() is None
     check = subprocess.run(
         [sys.executable, "manage.py", "recall_check"],
