@@ -111,35 +111,62 @@ OPEN_BATCH = sql(
 )
 
 
-def shift_and_record(moves: str) -> str:
+def shift_and_record(moves: str, *, one_row: bool) -> str:
     """CTEs that apply the item moves in CTE ``moves`` (batch_id, item_id, old,
     new, ms) to the counter shards and count the finishes (done or failed) in
     the minute's throughput bucket: ``rows.shift_counters`` and
     ``rows.record_finished`` as SQL.
 
-    The shards are locked in (batch, shard) order, as every transition orders
-    them, and the minute rows after them (the upsert reads from ``counter``):
-    no deadlock.
+    ``one_row``: ``moves`` holds at most one move (a claim, a completion), so
+    one counter row changes and no lock order is needed. Otherwise the moves
+    are summed per shard, and the shards are locked in (batch, shard) order, as
+    every transition orders them. The minute rows come after the counters (the
+    upsert reads from ``counter``): no deadlock.
     """
-    deltas = ",\n".join(
-        f"sum((new = {q})::int - (old = {q})::int) AS d_{s},\n"
-        f"sum(((new = {q})::int - (old = {q})::int) * ms) AS d_{s}_ms"
-        for s, q in NAMES["item_status"].items()
-    )
     counter = NAMES["counter"]
-    updates = ",\n".join(
-        f"{getattr(counter, column)} = c.{getattr(counter, column)} + locked.d_{column}"
+
+    def change(status: str, quoted: str, ms: bool, of: str) -> str:
+        """How one move changes the ``status`` count (or its duration sum)."""
+        step = f"(({of}new = {quoted})::int - ({of}old = {quoted})::int)"
+        return f"{step} * {of}ms" if ms else step
+
+    def finishes(status: str, ms: bool, of: str) -> str:
+        quoted = NAMES["item_status"][status]
+        value = f"{of}ms" if ms else "1"
+        return f"CASE WHEN {of}new = {quoted} THEN {value} ELSE 0 END"
+
+    # Each counter column: (column, the item status it counts, a duration sum?).
+    columns = [
+        (column, column.removesuffix("_ms"), column.endswith("_ms"))
         for column in COUNTER_COLUMNS
-    )
-    return sql(
-        """shift AS (
-        SELECT batch_id, mod(item_id, {shards}) AS shard, {deltas},
-            count(*) FILTER (WHERE new = {item_status[done]}) AS f_done,
-            COALESCE(sum(ms) FILTER (WHERE new = {item_status[done]}), 0)
-                AS f_done_ms,
-            count(*) FILTER (WHERE new = {item_status[failed]}) AS f_failed,
-            COALESCE(sum(ms) FILTER (WHERE new = {item_status[failed]}), 0)
-                AS f_failed_ms
+    ]
+    finished = [("f_done", "done", False), ("f_done_ms", "done", True)]
+    finished += [("f_failed", "failed", False), ("f_failed_ms", "failed", True)]
+    if one_row:
+        updates = ", ".join(
+            f"{getattr(counter, column)} = c.{getattr(counter, column)} + "
+            f"{change(status, NAMES['item_status'][status], ms, 'm.')}"
+            for column, status, ms in columns
+        )
+        counted = sql(
+            """counter AS (
+        UPDATE {counter} c SET {updates}
+        FROM {moves} m
+        WHERE c.{counter.batch} = m.batch_id
+          AND c.{counter.shard} = mod(m.item_id, {shards}) AND m.old <> m.new
+        RETURNING m.batch_id, c.{counter.shard} AS shard, {finished}
+    )""",
+            updates=updates,
+            moves=moves,
+            finished=", ".join(
+                f"{finishes(status, ms, 'm.')} AS {name}"
+                for name, status, ms in finished
+            ),
+        )
+    else:
+        counted = sql(
+            """shift AS (
+        SELECT batch_id, mod(item_id, {shards}) AS shard, {deltas}, {finished}
         FROM {moves} WHERE old <> new GROUP BY 1, 2
     ), locked AS (
         SELECT c.{counter.id} AS counter_id, shift.*
@@ -153,7 +180,25 @@ def shift_and_record(moves: str) -> str:
         FROM locked WHERE c.{counter.id} = locked.counter_id
         RETURNING locked.batch_id, locked.shard, locked.f_done, locked.f_done_ms,
             locked.f_failed, locked.f_failed_ms
-    ), finished AS (
+    )""",
+            deltas=", ".join(
+                f"sum({change(status, NAMES['item_status'][status], ms, '')})"
+                f" AS d_{column}"
+                for column, status, ms in columns
+            ),
+            finished=", ".join(
+                f"sum({finishes(status, ms, '')}) AS {name}"
+                for name, status, ms in finished
+            ),
+            moves=moves,
+            updates=", ".join(
+                f"{getattr(counter, column)} = c.{getattr(counter, column)} "
+                f"+ locked.d_{column}"
+                for column, _, _ in columns
+            ),
+        )
+    return counted + sql(
+        """, finished AS (
         INSERT INTO {minute} ({minute.batch}, {minute.minute}, {minute.shard},
             {minute.done}, {minute.done_ms}, {minute.failed}, {minute.failed_ms})
         SELECT batch_id, date_trunc('minute', {now}), shard,
@@ -166,10 +211,7 @@ def shift_and_record(moves: str) -> str:
             {minute.failed} = {minute}.{minute.failed} + excluded.{minute.failed},
             {minute.failed_ms} = {minute}.{minute.failed_ms}
                 + excluded.{minute.failed_ms}
-    )""",
-        moves=moves,
-        deltas=deltas,
-        updates=updates,
+    )"""
     )
 
 
@@ -274,7 +316,7 @@ def _claim(*, prelude: str, batch_id: str, result: str) -> str:
         job_columns=NAMES["job"].columns("j", "j_"),
         item_columns=NAMES["item"].columns("i", "i_"),
         claimable=CLAIMABLE,
-        shift=shift_and_record("moves"),
+        shift=shift_and_record("moves", one_row=True),
         result=result,
     )
 
@@ -340,7 +382,7 @@ COMPLETE = sql(
         FROM clean
     ), {shift}
     SELECT item_status, lease_id, batch_id, attempts, at FROM target""",
-    shift=shift_and_record("moves"),
+    shift=shift_and_record("moves", one_row=True),
 )
 
 # --- Reclaim ---------------------------------------------------------------------
@@ -417,7 +459,7 @@ _RECLAIM = sql(
     SELECT id, item_status = {item_for[leased]} AND lease_id IS NOT NULL,
         attempts < max_attempts, attempts, worker_id, batch_id
     FROM pick""",
-    shift=shift_and_record("moves"),
+    shift=shift_and_record("moves", one_row=False),
 )
 RECLAIM_WAITING = _RECLAIM.replace(
     "{gate}", f"SELECT true AS open FROM pg_advisory_xact_lock({RECLAIM_GATE_KEY})"
