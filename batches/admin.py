@@ -5,14 +5,16 @@ which also creates their jobs and progress counters together; a batch made
 here would have neither, so the admin cannot add one. Nor can it delete one:
 the delete page would list every item and job of a million-item batch, and
 deleting under live leases would leave workers with jobs that vanished (cancel
-the batch instead). Only a batch's name and priority are editable; its progress
-comes read-only from the sharded counters, never from counting items.
+the batch instead). Only a batch's name and its share of the workers (priority,
+weight, max in flight) are editable, the share through its transition; its
+progress comes read-only from the sharded counters, never from counting items.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.db.models import IntegerField, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce
@@ -20,6 +22,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html
 from django.utils.text import Truncator
 
+from jobs import transitions
 from jobs.models import Event, Job
 
 from .admin_support import (
@@ -88,12 +91,31 @@ class StateFilter(admin.SimpleListFilter):
         return queryset.filter(**filters[value])
 
 
+class BatchForm(forms.ModelForm):
+    """A weight left empty keeps the batch's weight."""
+
+    class Meta:
+        model = Batch
+        fields = ("name", "priority", "weight", "max_in_flight")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["weight"].required = False
+
+    def clean_weight(self) -> int:
+        weight = self.cleaned_data.get("weight")
+        return self.instance.weight if weight is None else weight
+
+
 @admin.register(Batch)
 class BatchAdmin(admin.ModelAdmin):
+    form = BatchForm
     list_display = (
         "id",
         "name",
         "priority",
+        "weight",
+        "max_in_flight",
         "state",
         "total",
         *PROGRESS,
@@ -108,7 +130,7 @@ class BatchAdmin(admin.ModelAdmin):
     search_help_text = "A batch id, or part of its name."
     ordering = ("-pk",)
     fieldsets = (
-        (None, {"fields": ("name", "priority")}),
+        (None, {"fields": ("name", "priority", "weight", "max_in_flight")}),
         (
             "Progress (from the counters)",
             {"fields": ("state", "total", *PROGRESS, "finished_percent")},
@@ -149,6 +171,19 @@ class BatchAdmin(admin.ModelAdmin):
         if by_id is not None:
             return by_id, False
         return super().get_search_results(request, queryset, search_term)
+
+    def save_model(self, request, obj: Batch, form, change: bool) -> None:
+        """The name is a plain field; priority, weight and max in flight change
+        through their transition (an event with who and what, and a batch moved
+        to another priority joins its rotation where the others are)."""
+        obj.save(update_fields=["name"])
+        transitions.set_share(
+            obj,
+            priority=form.cleaned_data["priority"],
+            weight=form.cleaned_data["weight"],
+            max_in_flight=form.cleaned_data["max_in_flight"],
+            actor=request.user,
+        )
 
     def has_add_permission(self, request) -> bool:
         return False

@@ -5,16 +5,47 @@ from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 
 from .intake import MAX_NAME_CHARS
+from .models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 
 
-class NewBatchForm(forms.Form):
-    name = forms.CharField(max_length=MAX_NAME_CHARS, strip=True)
+class ShareFields(forms.Form):
+    """How a batch shares the workers: priority, weight, max in flight."""
+
     priority = forms.IntegerField(
         initial=0,
         min_value=-32768,
         max_value=32767,
-        help_text="Higher runs first; equal priorities run oldest first.",
+        help_text="Higher runs first, strictly.",
     )
+    weight = forms.IntegerField(
+        initial=1,
+        required=False,
+        min_value=1,
+        max_value=MAX_WEIGHT,
+        help_text=f"Its share of the workers among open batches of its priority "
+        f"(1 to {MAX_WEIGHT}; empty: 1).",
+    )
+    max_in_flight = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=MAX_IN_FLIGHT,
+        label="Max in flight",
+        help_text="At most this many items in flight at once (empty: no cap).",
+    )
+
+    def clean_weight(self) -> int:
+        weight = self.cleaned_data.get("weight")
+        return 1 if weight is None else weight
+
+
+class ShareForm(ShareFields):
+    """The batch page's form to change a batch's share."""
+
+
+class NewBatchForm(ShareFields):
+    field_order = ["name", "priority", "weight", "max_in_flight", "manifest", "sources"]
+
+    name = forms.CharField(max_length=MAX_NAME_CHARS, strip=True)
     manifest = forms.FileField(
         required=False,
         help_text=(
@@ -58,8 +89,6 @@ class ItemFilterForm(forms.Form):
     q = forms.CharField(required=False, max_length=200, strip=True)
 
     def __init__(self, *args, **kwargs):
-        from .models import ItemStatus
-
         super().__init__(*args, **kwargs)
         state = self.fields["state"]
         if isinstance(state, forms.ChoiceField):

@@ -278,6 +278,8 @@ def create_batch(
     open_manifest: Callable[[], Iterable[bytes | str]],
     *,
     priority: int = 0,
+    weight: int = 1,
+    max_in_flight: int | None = None,
     created_by=None,
     now=None,
 ) -> Batch:
@@ -296,6 +298,8 @@ def create_batch(
         name=name,
         items=_item_rows(parse_manifest(open_manifest())),
         priority=priority,
+        weight=weight,
+        max_in_flight=max_in_flight,
         created_by=created_by,
         now=now,
     )

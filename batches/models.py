@@ -9,9 +9,18 @@ in one transaction.
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import F, Q, Sum
 from django.utils import timezone
+
+# Fair share (stride scheduling): each claim that a batch wins over another open
+# batch of its priority adds VIRTUAL_TIME_STRIDE // weight to its virtual time,
+# and claims go to the batch with the least. Weights run 1..MAX_WEIGHT.
+VIRTUAL_TIME_STRIDE = 1_000_000_000
+MAX_WEIGHT = 1000
+# The largest in-flight cap accepted (a PositiveIntegerField holds more).
+MAX_IN_FLIGHT = 1_000_000
 
 # Progress counters are split over this many rows per batch so that concurrent
 # transitions in one batch rarely wait for each other (no hot row). An item
@@ -51,8 +60,23 @@ class Batch(models.Model):
 
     name = models.CharField(max_length=200)
     priority = models.SmallIntegerField(
-        default=0, help_text="Higher runs first; equal priorities run oldest first."
+        default=0,
+        help_text="Higher runs first; equal priorities share the workers by weight.",
     )
+    weight = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_WEIGHT)],
+        help_text=f"This batch's share of the claims among open batches of its "
+        f"priority, relative to theirs (1 to {MAX_WEIGHT}).",
+    )
+    max_in_flight = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_IN_FLIGHT)],
+        help_text="At most this many of its items in flight at once (empty: no cap).",
+    )
+    # Stride scheduling's pass: how much of its share the batch has used.
+    virtual_time = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
@@ -85,11 +109,12 @@ class Batch(models.Model):
             ("export_batch", "Can export a batch's results"),
         ]
         indexes = [
-            # Claims walk the open batches in priority order.
+            # Claims walk the open batches by priority, then virtual time.
             models.Index(
                 F("priority").desc(),
+                "virtual_time",
                 "id",
-                name="batch_open_by_priority",
+                name="batch_open_by_share",
                 condition=Q(
                     paused_at__isnull=True,
                     cancelled_at__isnull=True,
@@ -107,9 +132,24 @@ class Batch(models.Model):
                 condition=Q(recount_requested_at__isnull=False),
             ),
         ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(weight__gte=1, weight__lte=MAX_WEIGHT),
+                name="batch_weight_in_range",
+            ),
+            models.CheckConstraint(
+                condition=Q(max_in_flight__isnull=True) | Q(max_in_flight__gte=1),
+                name="batch_max_in_flight_positive",
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def stride(self) -> int:
+        """Virtual time one claim costs this batch."""
+        return VIRTUAL_TIME_STRIDE // self.weight
 
     def counts(self) -> dict[str, int]:
         """Items per status, from the counters (no scan of the items)."""

@@ -173,6 +173,9 @@ class Progress:
             "percent_done": self.percent_done,
             "throughput_per_minute": self.throughput_per_minute,
             "eta_seconds": self.eta_seconds,
+            "weight": self.batch.weight,
+            "max_in_flight": self.batch.max_in_flight,
+            "in_flight": self.counts[ItemStatus.TRANSCRIBING],
         }
 
 

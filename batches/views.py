@@ -39,7 +39,7 @@ from jobs import transitions
 from jobs.models import Job, JobStatus
 
 from . import exports
-from .forms import ItemFilterForm, NewBatchForm
+from .forms import ItemFilterForm, NewBatchForm, ShareForm
 from .intake import ManifestInvalid, create_batch
 from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from .progress import BatchState, format_duration, progress_for, progress_for_many
@@ -235,6 +235,14 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
         # The filter alone, for the pager's links.
         "filter_query": _without(request, "after", "before", "last", "page"),
         "can_operate": user.has_perm("batches.operate_batch"),
+        "share_form": ShareForm(
+            initial={
+                "priority": batch.priority,
+                "weight": batch.weight,
+                "max_in_flight": batch.max_in_flight,
+            }
+        ),
+        "live_leases": Job.objects.filter(status=JobStatus.LEASED).count(),
         "can_export": user.has_perm("batches.export_batch"),
         "stalled_after": format_duration(settings.RECALL_STALLED_AFTER_SECONDS),
         "nav": "batches",
@@ -377,6 +385,8 @@ def _batch_new(request: HttpRequest) -> HttpResponse:
             form.cleaned_data["name"],
             _opener(form.cleaned_data),
             priority=form.cleaned_data["priority"],
+            weight=form.cleaned_data["weight"],
+            max_in_flight=form.cleaned_data["max_in_flight"],
             created_by=request.user,
         )
     except ManifestInvalid as invalid:
@@ -492,6 +502,32 @@ def batch_cancel(request: HttpRequest, batch: Batch) -> None:
         f"Finished items keep their results."
         + (f" The other {left} are being cancelled in the background." if left else ""),
     )
+
+
+@operator_action
+def batch_share(request: HttpRequest, batch: Batch) -> None:
+    form = ShareForm(request.POST)
+    if not form.is_valid():
+        problems = "; ".join(
+            f"{form.fields[name].label or name.replace('_', ' ').capitalize()}: "
+            f"{' '.join(str(error) for error in errors)}"
+            for name, errors in form.errors.items()
+        )
+        messages.error(request, f"Nothing was changed. {problems}")
+        return
+    changes = transitions.set_share(
+        batch,
+        priority=form.cleaned_data["priority"],
+        weight=form.cleaned_data["weight"],
+        max_in_flight=form.cleaned_data["max_in_flight"],
+        actor=request.user,
+    )
+    if changes:
+        messages.success(
+            request, "Changed " + ", ".join(changes) + "; the next claim follows it."
+        )
+    else:
+        messages.info(request, "Nothing to change.")
 
 
 @operator_action

@@ -63,6 +63,7 @@ def batch(
     worker: Worker | None = None,
     priority: int = 0,
     max_attempts: int = 3,
+    analyze: bool = True,
 ) -> Batch:
     """One batch with ``completed`` done items, then ``leased`` in flight (held by
     ``worker`` until ``lease_expires_at``), then ``queued`` waiting."""
@@ -147,9 +148,10 @@ def batch(
     _count(b.pk)
     if not (queued or leased):
         Batch.objects.filter(pk=b.pk).update(finished_at=now)
-    with connection.cursor() as cursor:
-        for model in (BatchItem, Job, Lease):
-            cursor.execute(f"ANALYZE {model._meta.db_table}")
+    if analyze:  # fresh statistics for the planner (once, after many batches)
+        with connection.cursor() as cursor:
+            for model in (BatchItem, Job, Lease, Batch):
+                cursor.execute(f"ANALYZE {model._meta.db_table}")
     return b
 
 

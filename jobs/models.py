@@ -296,6 +296,7 @@ class Event(models.Model):
         BATCH_CANCELLED = "batch_cancelled"
         BATCH_PAUSED = "batch_paused"
         BATCH_RESUMED = "batch_resumed"
+        BATCH_CHANGED = "batch_changed"
 
     created_at = models.DateTimeField(default=timezone.now)
     kind = models.CharField(max_length=32, choices=Kind.choices)

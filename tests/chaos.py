@@ -1,8 +1,9 @@
 """``make chaos``: Recall under fire, then a check that nothing lies.
 
 Starts a private PostgreSQL server, gunicorn with several processes, the
-django-q2 cluster and many reference workers with short leases, on a batch of
-items with one planted poison item (its engine kills the worker running it).
+django-q2 cluster and many reference workers with short leases, on three
+batches of different weights (sizes in proportion) with one planted poison item
+(its engine kills the worker running it).
 While it runs, it SIGKILLs random workers (and restarts them), SIGKILLs sweeps
 mid-pass and the django-q2 cluster, and crashes PostgreSQL once. Then it stops
 the violence, lets leases expire and sweeps run, and checks:
@@ -10,7 +11,9 @@ the violence, lets leases expire and sweeps run, and checks:
 * ``recall_check`` passes (every invariant holds);
 * every item is done, except the poison one, which failed;
 * no job has more than one accepted completion;
-* no 5xx other than the documented 503 (database unavailable) was served.
+* no 5xx other than the documented 503 (database unavailable) was served;
+* while all three batches had work, claims and the leases held were shared
+  within 10 points of their weights' shares (fair share).
 
 It prints one summary line, e.g. ``chaos: 3000 jobs, 41 kills, 37 reclaims,
 1 db restart, lost 0, duplicated 0, mismatched 0, 5xx 0``, and exits 0 only if
@@ -39,6 +42,34 @@ from tests.pgserver import PrivatePostgres, free_port
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 POISON = "chaos://poison/corrupt.wav"
+
+
+@dataclass
+class Shares:
+    """Leases held per batch, sampled while every batch still has queued work."""
+
+    weights: dict[int, int] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)
+    samples: int = 0
+    window_end: object = None  # the database's time when a batch ran dry
+
+    def sample(self, url: str) -> None:
+        if self.window_end is not None:
+            return
+        rows = _query(
+            url,
+            "SELECT b.id, b.weight, now(), "
+            "count(*) FILTER (WHERE j.status = 'leased'), "
+            "count(*) FILTER (WHERE j.status = 'queued') "
+            "FROM batches_batch b JOIN jobs_job j ON j.batch_id = b.id GROUP BY b.id",
+        )
+        if any(queued == 0 for *_, queued in rows):
+            self.window_end = rows[0][2]
+            return
+        self.samples += 1
+        for batch_id, weight, _, leased, _ in rows:
+            self.weights[batch_id] = weight
+            self.held[batch_id] = self.held.get(batch_id, 0) + leased
 
 
 @dataclass
@@ -147,14 +178,28 @@ def run(args: argparse.Namespace) -> int:
             _manage(env, "create_worker", f"chaos-{i}").stdout.strip().splitlines()[-1]
             for i in range(args.workers)
         ]
-        manifest = work / "manifest.csv"
         lines = [
             f"chaos://item/{i:05d}.wav,{rng.randint(5, 600)}\n"
             for i in range(args.items - 1)
         ]
         lines.insert(rng.randrange(len(lines) + 1), f"{POISON},60\n")
-        manifest.write_text("source,duration_seconds\n" + "".join(lines))
-        _manage(env, "create_batch", "chaos", str(manifest))
+        # Batch sizes in proportion to their weights: all three run dry together.
+        weights = [int(w) for w in args.weights.split(",")]
+        start = 0
+        for n, weight in enumerate(weights):
+            end = (
+                len(lines)
+                if n == len(weights) - 1
+                else (start + len(lines) * weight // sum(weights))
+            )
+            manifest = work / f"manifest-{n}.csv"
+            manifest.write_text("source,duration_seconds\n" + "".join(lines[start:end]))
+            _manage(
+                env, "create_batch", f"chaos-w{weight}", str(manifest),
+                "--weight", str(weight),
+            )  # fmt: skip
+            start = end
+        shares = Shares()
 
         web_env = {
             **env,
@@ -231,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
             for worker in workers:  # the poison item kills its worker: restart it
                 if not worker.alive():
                     worker.start()
+            with contextlib.suppress(psycopg.Error):  # the database may be down
+                shares.sample(url)
             time.sleep(0.2)
 
         print("chaos: violence over, draining", flush=True)
@@ -252,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         for process in reversed(processes):
             process.stop()
         _manage(env, "recall_sweep")  # what a scheduled sweep would do next
-        return _verdict(args, env, url, work, tally, remaining)
+        return _verdict(args, env, url, work, tally, remaining, shares)
     finally:
         stop_sweeps.set()
         for process in processes:
@@ -284,7 +331,13 @@ def _sweeps_killed_mid_pass(
 
 
 def _verdict(
-    args, env, url: str, work: Path, tally: Tally, remaining: int | None
+    args,
+    env,
+    url: str,
+    work: Path,
+    tally: Tally,
+    remaining: int | None,
+    shares: Shares,
 ) -> int:
     statuses = dict(_query(url, "SELECT source, status FROM batches_batchitem"))
     poison_ok = statuses.get(POISON) == "failed"
@@ -322,10 +375,55 @@ def _verdict(
     )
     if check.returncode != 0:
         print(check.stdout, flush=True)
+    fair = _fair_share(url, shares)
     ok = (
-        lost == duplicated == mismatched == fivexx == 0 and poison_ok and remaining == 0
+        lost == duplicated == mismatched == fivexx == 0
+        and poison_ok
+        and remaining == 0
+        and fair
     )
     return 0 if ok else 1
+
+
+# Each batch's share of the claims and of the leases held, while all had work,
+# must be within this many points of its weight's share.
+SHARE_TOLERANCE = 0.10
+
+
+def _fair_share(url: str, shares: Shares) -> bool:
+    """Print and check how the batches shared the workers while all had work."""
+    if not shares.samples or shares.window_end is None:
+        print("chaos: fair share NOT measured: no window with work in all batches")
+        return False
+    claims = dict(
+        _query(
+            url,
+            "SELECT j.batch_id, count(*) FROM jobs_lease l "
+            "JOIN jobs_job j ON j.id = l.job_id "
+            f"WHERE l.claimed_at < '{shares.window_end.isoformat()}' GROUP BY 1",
+        )
+    )
+    batches = sorted(shares.weights, key=lambda b: shares.weights[b])
+    expected = [shares.weights[b] / sum(shares.weights.values()) for b in batches]
+    claimed = [claims.get(b, 0) / max(sum(claims.values()), 1) for b in batches]
+    held = [shares.held[b] / max(sum(shares.held.values()), 1) for b in batches]
+
+    def pct(values: list[float]) -> str:
+        return "/".join(f"{100 * v:.0f}%" for v in values)
+
+    fair = all(
+        abs(c - e) <= SHARE_TOLERANCE and abs(h - e) <= SHARE_TOLERANCE
+        for c, h, e in zip(claimed, held, expected, strict=True)
+    )
+    weights = ":".join(str(shares.weights[b]) for b in batches)
+    print(
+        f"chaos: fair share {'ok' if fair else 'NOT within 10 points'}: weights "
+        f"{weights} = {pct(expected)}; claims {pct(claimed)} "
+        f"({sum(claims.values())} claims); leases held {pct(held)} "
+        f"({shares.samples} samples)",
+        flush=True,
+    )
+    return fair
 
 
 def _http_errors(access_log: Path) -> tuple[int, int]:
@@ -377,7 +475,12 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=12, help="reference workers (default 12)"
     )
     parser.add_argument(
-        "--items", type=int, default=3000, help="items in the batch (default 3000)"
+        "--items", type=int, default=3000, help="items in all (default 3000)"
+    )
+    parser.add_argument(
+        "--weights",
+        default="1,2,3",
+        help="one batch per weight, sized in proportion (default 1,2,3)",
     )
     parser.add_argument(
         "--lease", type=int, default=4, help="lease seconds (default 4)"

@@ -38,5 +38,6 @@ def test_a_short_chaos_run_loses_nothing_and_lies_about_nothing():
         r"1 db restart, lost 0, duplicated 0, mismatched 0, 5xx 0", summary[0]
     )
     assert "poison failed as it should" in summary[0]
+    assert re.search(r"chaos: fair share ok: weights 1:2:3", result.stdout)
     kills = int(re.search(r"(\d+) kills", summary[0]).group(1))
     assert kills >= 10

@@ -139,3 +139,65 @@ def test_the_sweep_schedule_exists_after_migrate():
         1,
         -1,
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weight", "0"], "--weight must be a whole number from 1 to 1000, not '0'."),
+        (
+            ["--weight", "1001"],
+            "--weight must be a whole number from 1 to 1000, not '1001'.",
+        ),
+        (
+            ["--weight", "2.5"],
+            "--weight must be a whole number from 1 to 1000, not '2.5'.",
+        ),
+        (
+            ["--weight", "abc"],
+            "--weight must be a whole number from 1 to 1000, not 'abc'.",
+        ),
+        (
+            ["--max-in-flight", "0"],
+            "--max-in-flight must be a whole number from 1 to 1000000, not '0'.",
+        ),
+        (
+            ["--max-in-flight", "-4"],
+            "--max-in-flight must be a whole number from 1 to 1000000, not '-4'.",
+        ),
+        (
+            ["--max-in-flight", "many"],
+            "--max-in-flight must be a whole number from 1 to 1000000, not 'many'.",
+        ),
+    ],
+)
+def test_create_batch_refuses_a_bad_weight_or_cap(tmp_path, flags, message):
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("/a.wav\n")
+
+    with pytest.raises(CommandError) as refused:
+        call_command("create_batch", "Shared", str(manifest), *flags)
+
+    assert str(refused.value) == message
+    assert not Batch.objects.exists()
+
+
+def test_create_batch_takes_weight_and_max_in_flight(tmp_path):
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("/a.wav\n/b.wav\n")
+    out = io.StringIO()
+
+    call_command(
+        "create_batch",
+        "Shared",
+        str(manifest),
+        "--weight",
+        "3",
+        "--max-in-flight",
+        "8",
+        stdout=out,
+        stderr=io.StringIO(),
+    )
+
+    batch = Batch.objects.get(pk=int(out.getvalue().strip().splitlines()[-1]))
+    assert (batch.weight, batch.max_in_flight, batch.total) == (3, 8, 2)

@@ -72,6 +72,7 @@ __all__ = [
     "resume_batch",
     "retry_failed",
     "rotate_worker_token",
+    "set_share",
     "set_worker_active",
     "settle",
     "touch_worker",
@@ -298,17 +299,43 @@ def create_batch(
     name: str,
     items: Iterable[ItemRow],
     priority: int = 0,
+    weight: int = 1,
+    max_in_flight: int | None = None,
     created_by: Any = None,
     now: datetime | None = None,
 ) -> Batch:
     """The batch, its items (``(source, params, duration_ms)``), their jobs and
-    counters, in one transaction. ``items`` may raise to abandon it all."""
+    counters, in one transaction. ``items`` may raise to abandon it all. The
+    batch joins the fair-share rotation of its priority where the others are."""
     return backend().create_batch(
         name=name,
         items=items,
         priority=priority,
+        weight=weight,
+        max_in_flight=max_in_flight,
         created_by=created_by,
         now=_now(now),
+    )
+
+
+def set_share(
+    batch: Batch,
+    *,
+    priority: int,
+    weight: int,
+    max_in_flight: int | None,
+    actor: Any = None,
+    now: datetime | None = None,
+) -> list[str]:
+    """Change a batch's priority, weight and max in flight (effective for the
+    next claim); records what changed as an event. Returns the changes."""
+    return actions.set_share(
+        batch,
+        priority=priority,
+        weight=weight,
+        max_in_flight=max_in_flight,
+        now=_now(now),
+        actor=actor,
     )
 
 

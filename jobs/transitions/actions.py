@@ -22,7 +22,14 @@ from django.db.models import QuerySet
 from batches.models import Batch, BatchCounter, ItemStatus
 from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd
 
-from .rows import group_by, log_lease, move_jobs, record_event, record_events
+from .rows import (
+    group_by,
+    log_lease,
+    move_jobs,
+    record_event,
+    record_events,
+    rejoin_share,
+)
 from .rules import BATCH_CANCELLED, CANCEL_GRACE, FORCED_BY_ADMIN
 
 log = logging.getLogger("recall.transitions")
@@ -56,12 +63,15 @@ def pause_batch(batch: Batch, *, now: datetime, actor: Any = None) -> bool:
 
 
 def resume_batch(batch: Batch, *, now: datetime, actor: Any = None) -> bool:
-    """Hand out the batch's jobs again. False if it was not paused."""
+    """Hand out the batch's jobs again, sharing from where the other batches of
+    its priority are now (it does not catch up on its paused time). False if
+    it was not paused."""
     with transaction.atomic():
         resumed = Batch.objects.filter(pk=batch.pk, paused_at__isnull=False).update(
             paused_at=None
         )
         if resumed:
+            rejoin_share([batch.pk])
             record_event(
                 Event.Kind.BATCH_RESUMED,
                 "Batch resumed.",
@@ -69,8 +79,54 @@ def resume_batch(batch: Batch, *, now: datetime, actor: Any = None) -> bool:
                 batch_id=batch.pk,
                 actor=actor,
             )
-    batch.refresh_from_db(fields=["paused_at"])
+    batch.refresh_from_db(fields=["paused_at", "virtual_time"])
     return bool(resumed)
+
+
+def set_share(
+    batch: Batch,
+    *,
+    priority: int,
+    weight: int,
+    max_in_flight: int | None,
+    now: datetime,
+    actor: Any = None,
+) -> list[str]:
+    """Change how the batch shares the workers; the next claim follows it. A
+    batch moved to another priority joins that priority's rotation where its
+    batches are. Records one event saying what changed; returns the changes."""
+    with transaction.atomic():
+        current = Batch.objects.select_for_update().get(pk=batch.pk)
+        wanted = {
+            "priority": priority,
+            "weight": weight,
+            "max_in_flight": max_in_flight,
+        }
+        changes = [
+            f"{field.replace('_', ' ')} {_shown(getattr(current, field))} "
+            f"-> {_shown(value)}"
+            for field, value in wanted.items()
+            if getattr(current, field) != value
+        ]
+        if changes:
+            Batch.objects.filter(pk=batch.pk).update(**wanted)
+            if priority != current.priority:
+                rejoin_share([batch.pk])
+            record_event(
+                Event.Kind.BATCH_CHANGED,
+                "Changed " + ", ".join(changes) + ".",
+                at=now,
+                batch_id=batch.pk,
+                actor=actor,
+            )
+    batch.refresh_from_db(
+        fields=["priority", "weight", "max_in_flight", "virtual_time"]
+    )
+    return changes
+
+
+def _shown(value: int | None) -> str:
+    return "unlimited" if value is None else str(value)
 
 
 def cancel_batch(
@@ -315,9 +371,14 @@ def retry_failed(
     """
 
     def retry(chunk: list[Job]) -> None:
-        Batch.objects.filter(pk__in={j.batch_id for j in chunk}).update(
-            finished_at=None
+        batch_ids = {j.batch_id for j in chunk}
+        reopened = list(
+            Batch.objects.filter(pk__in=batch_ids, finished_at__isnull=False)
+            .order_by("pk")
+            .values_list("pk", flat=True)
         )
+        Batch.objects.filter(pk__in=batch_ids).update(finished_at=None)
+        rejoin_share(reopened)
         move_jobs(chunk, to=JobStatus.QUEUED, now=now, attempts=0)
         record_events(
             chunk,

@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from itertools import islice
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Count, Exists, F, OuterRef, QuerySet, Sum
+from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
@@ -40,7 +41,16 @@ from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
 from . import actions, repairs
-from .rows import add_tally, group_by, log_lease, lost_detail, move_jobs, open_lease
+from .rows import (
+    add_tally,
+    charge_share,
+    group_by,
+    log_lease,
+    lost_detail,
+    move_jobs,
+    open_lease,
+    rejoin_share,
+)
 from .rules import (
     CLAIM_BATCH_CANDIDATES,
     LEASE_EXPIRED,
@@ -51,6 +61,16 @@ from .rules import (
 )
 
 log = logging.getLogger("recall.transitions")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An open batch a claim may take a job from, in claim order."""
+
+    batch_id: int
+    priority: int
+    capped: bool  # has a max in flight: claims of it take turns on its row
+
 
 # Rows per INSERT when the driver has no COPY (SQLite).
 INSERT_CHUNK = 2_000
@@ -106,8 +126,9 @@ class OrmBackend:
 
         First reclaims expired leases and finishes an interrupted batch cancel,
         so an expired lease is never left standing while new work is handed
-        out. Then takes, by batch priority and age, the oldest claimable job of
-        the first open batch that has one, skipping rows other claims hold.
+        out. Then takes the oldest claimable job of the first open batch in
+        claim order (priority, then fair share: least virtual time), skipping
+        batches at their in-flight cap and rows other claims hold.
         """
         now = self._resolve(now)
         expired, cancelling, candidates = self._claim_plan(now)
@@ -119,35 +140,62 @@ class OrmBackend:
             actions.finish_interrupted_cancel(now=now)
         if expired or cancelling:
             candidates = self._claim_plan(now)[2]  # the chores changed them
-        for batch_id in candidates:
-            job = self._claim_in_batch(batch_id, worker, now)
+        candidates = list(candidates)
+        for candidate in candidates:
+            # The claim is charged to the batch's share only when another open
+            # batch of its priority has work too (alone, it owes nobody).
+            rivals = any(
+                other.priority == candidate.priority and other is not candidate
+                for other in candidates
+            )
+            job = self._claim_in_batch(candidate, worker, now, charge=rivals)
             if job is not None:
                 return job
         return None
 
-    def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[int]]:
+    def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[Candidate]]:
         """(reclaim first?, finish a cancel first?, the open batches with a
-        claimable job, by priority, then age). Here each chore probes itself,
-        and the candidates are a lazy query, run only when iterated."""
+        claimable job and room under their cap, in claim order). Here each
+        chore probes itself."""
+        live = (
+            Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
+            .order_by()
+            .values("batch")
+            .annotate(n=Count("pk"))
+            .values("n")
+        )
         candidates = (
             Batch.objects.open()
             .filter(Exists(Job.objects.claimable(now).filter(batch=OuterRef("pk"))))
-            .order_by("-priority", "pk")
-            .values_list("pk", flat=True)[:CLAIM_BATCH_CANDIDATES]
+            .filter(
+                Q(max_in_flight__isnull=True)
+                | Q(max_in_flight__gt=Coalesce(Subquery(live), 0))
+            )
+            .order_by("-priority", "virtual_time", "pk")
+            .values_list("pk", "priority", "max_in_flight")[:CLAIM_BATCH_CANDIDATES]
         )
-        return True, True, candidates
+        return (
+            True,
+            True,
+            [
+                Candidate(pk, priority, capped=cap is not None)
+                for pk, priority, cap in candidates
+            ],
+        )
 
     def _claim_in_batch(
-        self, batch_id: int, worker: Worker, now: datetime
+        self, candidate: Candidate, worker: Worker, now: datetime, *, charge: bool
     ) -> Job | None:
         for attempt in (1, 2):
             job = None
             try:
                 with transaction.atomic():
+                    if candidate.capped and not self._room_under_cap(candidate):
+                        return None
                     job = (
                         Job.objects.claimable(now)
                         .filter(
-                            batch_id=batch_id,
+                            batch_id=candidate.batch_id,
                             batch__paused_at__isnull=True,
                             batch__cancelled_at__isnull=True,
                         )
@@ -160,6 +208,8 @@ class OrmBackend:
                     )
                     if job is not None:
                         open_lease(job, worker, token=new_lease_token(), now=now)
+                        if charge:
+                            charge_share(job.batch_id)
                     return job
             except IntegrityError:
                 # Only an open ledger row left behind for a queued job can make the
@@ -169,6 +219,23 @@ class OrmBackend:
                     raise
                 repairs.close_stray_leases(job.pk, now=now)
         return None
+
+    def _room_under_cap(self, candidate: Candidate) -> bool:
+        """Lock the capped batch's row (claims of it take turns here), then
+        count its live leases in a statement of their own, which sees every
+        claim committed before the lock was granted: never over the cap."""
+        cap = (
+            Batch.objects.select_for_update()
+            .filter(pk=candidate.batch_id)
+            .values_list("max_in_flight", flat=True)
+            .first()
+        )
+        if cap is None:
+            return True
+        live = Job.objects.filter(
+            batch_id=candidate.batch_id, status=JobStatus.LEASED
+        ).count()
+        return live < cap
 
     # --- A live lease's own transitions -------------------------------------------
 
@@ -382,6 +449,8 @@ class OrmBackend:
         name: str,
         items: Iterable[ItemRow],
         priority: int,
+        weight: int,
+        max_in_flight: int | None,
         created_by: Any,
         now: datetime,
     ) -> Batch:
@@ -389,7 +458,12 @@ class OrmBackend:
         a batch is never visible half-created. ``items`` may raise to abandon it."""
         with transaction.atomic():
             batch = Batch.objects.create(
-                name=name, priority=priority, created_by=created_by, created_at=now
+                name=name,
+                priority=priority,
+                weight=weight,
+                max_in_flight=max_in_flight,
+                created_by=created_by,
+                created_at=now,
             )
             self._insert_items(batch, items, now=now)
             self._insert_jobs(batch, now=now)
@@ -422,6 +496,8 @@ class OrmBackend:
                 timed for _, _, timed in shards.values()
             )
             batch.save(update_fields=["total", "total_ms", "durations_known"])
+            rejoin_share([batch.pk])  # joins the rotation where the others are
+        batch.refresh_from_db(fields=["virtual_time"])
         return batch
 
     ITEM_COLUMNS = (

@@ -36,7 +36,7 @@ from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
 from . import statements
-from .orm import ItemRow, OrmBackend
+from .orm import Candidate, ItemRow, OrmBackend
 from .rows import log_lease
 from .rules import (
     CANCEL_GRACE,
@@ -103,23 +103,35 @@ class PostgresBackend(OrmBackend):
         # The long way: the ORM backend's, through the hooks below.
         return super().claim_next(worker, now=now)
 
-    def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[int]]:
+    def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[Candidate]]:
         """The chores and the candidates in one probe (``CLAIM_PLAN``)."""
-        expired, cancelling, candidates = self._fetchone(
+        rows = self._fetchall(
             statements.CLAIM_PLAN,
             {"now": now, "cancel_grace": CANCEL_GRACE, "limit": CLAIM_BATCH_CANDIDATES},
         )
+        expired, cancelling = rows[0][:2]
+        candidates = [
+            Candidate(batch_id, priority, capped)
+            for _, _, batch_id, priority, capped in rows
+            if batch_id is not None
+        ]
         return expired, cancelling, candidates
 
     def _claim_in_batch(
-        self, batch_id: int, worker: Worker, now: datetime
+        self, candidate: Candidate, worker: Worker, now: datetime, *, charge: bool
     ) -> Job | None:
+        if candidate.capped:  # claims of it take turns on its row: the ORM code
+            return super()._claim_in_batch(candidate, worker, now, charge=charge)
         # One statement, so atomic by itself. If the rows it found disagree it
         # wrote nothing, and the ORM code (which heals them) runs instead.
         token = new_lease_token()
         row = self._claim_row(
             statements.CLAIM,
-            {**self._claim_params(worker, token, now), "batch": batch_id},
+            {
+                **self._claim_params(worker, token, now),
+                "batch": candidate.batch_id,
+                "charge": charge,
+            },
         )
         if row is None:
             return None
@@ -127,7 +139,7 @@ class PostgresBackend(OrmBackend):
             job, written = self._leased(row, worker, token)
             if written:
                 return job
-        return super()._claim_in_batch(batch_id, worker, now)
+        return super()._claim_in_batch(candidate, worker, now, charge=charge)
 
     def _claim_params(
         self, worker: Worker, token: str, now: datetime | None

@@ -27,7 +27,7 @@ from batches.models import (
 )
 from jobs.models import Job, JobStatus, Lease, LeaseEnd, item_status_for
 
-from .rows import move_items, move_jobs, record_repair
+from .rows import move_items, move_jobs, record_repair, rejoin_share
 from .rules import EXHAUSTED
 
 
@@ -136,6 +136,7 @@ def reopen_batch(job_id: int, *, now: datetime) -> bool:
         if job is None:
             return False
         Batch.objects.filter(pk=job.batch_id).update(finished_at=None)
+        rejoin_share([job.batch_id])
         record_repair(
             job,
             "The batch was marked finished but this job was not; reopened it.",

@@ -20,10 +20,12 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import F
+from django.db.models import F, Min, OuterRef, Subquery, Value
+from django.db.models.functions import Coalesce, Greatest
 
 from batches.models import (
     COUNTER_SHARDS,
+    VIRTUAL_TIME_STRIDE,
     Batch,
     BatchCounter,
     BatchItem,
@@ -296,6 +298,37 @@ def close_leases(
                 kind="ledger_row_closed_early",
                 at=now,
             )
+
+
+# --- Fair share ------------------------------------------------------------------
+
+
+def charge_share(batch_id: int) -> None:
+    """The batch won a claim over another open batch of its priority: its
+    virtual time grows by its stride (less, the heavier it is)."""
+    Batch.objects.filter(pk=batch_id).update(
+        virtual_time=F("virtual_time") + Value(VIRTUAL_TIME_STRIDE) / F("weight")
+    )
+
+
+def rejoin_share(batch_ids: Iterable[int]) -> None:
+    """Batches that (re)join the rotation (new, resumed, reopened, moved to
+    another priority) start no earlier than the open batches of their priority
+    are now, so they cannot claim their way back over time they were away."""
+    others = (
+        Batch.objects.open()
+        .filter(priority=OuterRef("priority"))
+        .exclude(pk=OuterRef("pk"))
+        .order_by()
+        .values("priority")
+        .annotate(least=Min("virtual_time"))
+        .values("least")
+    )
+    Batch.objects.filter(pk__in=list(batch_ids)).update(
+        virtual_time=Greatest(
+            F("virtual_time"), Coalesce(Subquery(others), F("virtual_time"))
+        )
+    )
 
 
 # --- The event log and tallies ---------------------------------------------------

@@ -26,6 +26,7 @@ from django.db.models import Model
 from batches.models import (
     COUNTER_COLUMNS,
     COUNTER_SHARDS,
+    VIRTUAL_TIME_STRIDE,
     Batch,
     BatchCounter,
     BatchItem,
@@ -241,36 +242,57 @@ CHORES = sql(
 )
 
 
-# Open batches with a claimable job (``unless`` this is true), by priority, then
-# age. The LATERAL ...
-# LIMIT 1 keeps that one probe of the claim index per batch (as a plain EXISTS
-# the planner may hash-join every queued job of every batch). Claims take jobs
-# in (created_at, id) order, the claim index's: within a batch the manifest's
-# order; by id alone, PostgreSQL may walk the primary key past every finished
-# job when its statistics say most jobs are queued.
+# Open batches with a claimable job and room under their in-flight cap (and
+# ``unless`` is true), in claim order: priority, then fair share (least virtual
+# time; see ``rows.charge_share``), then age. The LATERAL ... LIMIT 1 keeps that
+# one probe of the claim index per batch (as a plain EXISTS the planner may
+# hash-join every queued job of every batch). A cap is checked by counting the
+# batch's live leases (at most the cap) on the (batch, status) index. Claims
+# take jobs in (created_at, id) order, the claim index's: within a batch the
+# manifest's order; by id alone, PostgreSQL may walk the primary key past every
+# finished job when its statistics say most jobs are queued.
 def candidates(*, unless: str = "true") -> str:
     return sql(
-        """SELECT b.{batch.id} FROM {batch} b
+        """SELECT b.{batch.id} AS id, b.{batch.priority} AS priority,
+        b.{batch.virtual_time} AS virtual_time,
+        b.{batch.max_in_flight} IS NOT NULL AS capped
+    FROM {batch} b
     CROSS JOIN LATERAL (
         SELECT 1 FROM {job} j WHERE j.{job.batch} = b.{batch.id} AND {claimable}
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
     ) AS claimable
-    WHERE {open_batch} AND {unless}
-    ORDER BY b.{batch.priority} DESC, b.{batch.id}""",
+    WHERE {open_batch} AND {unless} AND (
+        b.{batch.max_in_flight} IS NULL OR b.{batch.max_in_flight} > (
+            SELECT count(*) FROM {job} l
+            WHERE l.{job.batch} = b.{batch.id} AND l.{job.status} = {job_status[leased]}
+        )
+    )
+    ORDER BY b.{batch.priority} DESC, b.{batch.virtual_time}, b.{batch.id}""",
         claimable=CLAIMABLE,
         open_batch=OPEN_BATCH,
         unless=unless,
     )
 
 
-CLAIM_PLAN = f"SELECT {CHORES}, ARRAY({candidates()} LIMIT %(limit)s)"
+# The chores, and one row per candidate batch (none: a row of NULLs).
+CLAIM_PLAN = f"""SELECT chores.*, c.id, c.priority, c.capped
+    FROM (SELECT {CHORES}) AS chores
+    LEFT JOIN LATERAL ({candidates()} LIMIT %(limit)s) AS c ON true"""
+
+# Charge a claim to its batch's share: stride scheduling's pass += stride.
+CHARGE = sql(
+    """UPDATE {batch} SET {batch.virtual_time} = {batch}.{batch.virtual_time}
+        + {stride} / {batch}.{batch.weight}""",
+    stride=VIRTUAL_TIME_STRIDE,
+)
 
 
-def _claim(*, prelude: str, batch_id: str, result: str) -> str:
+def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
     """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
     LOCKED), if its item agrees and no ledger row of an earlier lease was left
-    open. Returns the job's and item's columns as they were, the batch's name,
-    whether such a stray ledger row exists, and the lease's times."""
+    open; the claim is charged to the batch's share if ``charge``. Returns the
+    job's and item's columns as they were, the batch's name, whether such a
+    stray ledger row exists, and the lease's times."""
     return sql(
         """WITH {prelude} pick AS (
         SELECT {job_columns}, {item_columns}, b.{batch.name} AS batch_name,
@@ -309,10 +331,15 @@ def _claim(*, prelude: str, batch_id: str, result: str) -> str:
             {lease.attempt}, {lease.claimed_at}, {lease.heartbeat_at},
             {lease.expires_at}, {lease.error})
         SELECT id, %(worker)s, %(token)s, attempts, at, at, expires, '' FROM job
+    ), charged AS (
+        {charge_share} FROM clean
+        WHERE {batch}.{batch.id} = clean.j_{job.batch} AND {charge}
     )
     {result}""",
         prelude=prelude,
         batch_id=batch_id,
+        charge_share=CHARGE,
+        charge=charge,
         job_columns=NAMES["job"].columns("j", "j_"),
         item_columns=NAMES["item"].columns("i", "i_"),
         claimable=CLAIMABLE,
@@ -321,21 +348,33 @@ def _claim(*, prelude: str, batch_id: str, result: str) -> str:
     )
 
 
-CLAIM = _claim(prelude="", batch_id="%(batch)s", result="SELECT * FROM pick")
+CLAIM = _claim(
+    prelude="", batch_id="%(batch)s", charge="%(charge)s", result="SELECT * FROM pick"
+)
 
 # The common case in one statement: nothing to do first, and the first open
-# batch with a claimable job has one no other claim holds. Returns the chores'
-# flags, the first batch, and the job as CLAIM does if there was one (else
-# NULLs): when there is none the caller takes the long way (CLAIM_PLAN, then
-# CLAIM per candidate batch), which also covers chores and taken or drifted rows.
+# batch in claim order is uncapped and has a job no other claim holds. Returns
+# the chores' flags, the first batch, the statement's instant, and the job as
+# CLAIM does if there was one (else NULLs): when there is none the caller takes
+# the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also covers
+# chores, capped batches, and taken or drifted rows. The claim is charged to
+# the batch's share when a second open batch of its priority has work too.
 CLAIM_FIRST = _claim(
     prelude=f"""chores AS (
         SELECT {CHORES}
-    ), first AS (
+    ), top AS (
         {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
-        LIMIT 1
+        LIMIT 2
+    ), first AS (
+        SELECT * FROM top ORDER BY priority DESC, virtual_time, id LIMIT 1
+    ), rival AS (
+        SELECT EXISTS (
+            SELECT 1 FROM top, first
+            WHERE top.id <> first.id AND top.priority = first.priority
+        ) AS found
     ),""",
-    batch_id="(SELECT id FROM first)",
+    batch_id="(SELECT id FROM first WHERE NOT capped)",
+    charge="(SELECT found FROM rival)",
     result=sql(
         "SELECT chores.*, (SELECT id FROM first), {now} AS at, pick.* "
         "FROM chores LEFT JOIN pick ON true"

@@ -291,3 +291,29 @@ def test_the_batch_filter_offers_the_newest_batches_and_the_chosen_one(
         j.pk for j in jobs_of(oldest)
     ]
     assert BatchItem.objects.count() == RECENT_BATCHES + 1
+
+
+def test_the_admin_changes_a_batch_share_through_its_transition(
+    superuser_client, worker
+):
+    batch = make_batch(3)
+    url = f"/admin/batches/batch/{batch.pk}/change/"
+
+    response = superuser_client.post(
+        url, {"name": batch.name, "priority": "0", "weight": "4", "max_in_flight": "2"}
+    )
+
+    assert response.status_code == 302
+    batch.refresh_from_db()
+    assert (batch.weight, batch.max_in_flight) == (4, 2)
+    event = Event.objects.get(kind=Event.Kind.BATCH_CHANGED, batch=batch)
+    assert event.message == "Changed weight 1 -> 4, max in flight unlimited -> 2."
+
+    response = superuser_client.post(
+        url, {"name": batch.name, "priority": "0", "weight": "0", "max_in_flight": ""}
+    )
+    assert response.status_code == 200  # the form again, with the error
+    assert (
+        "Ensure this value is greater than or equal to 1." in response.content.decode()
+    )
+    assert Batch.objects.get(pk=batch.pk).weight == 4

@@ -219,6 +219,10 @@ def test_progress_counts_rate_and_eta_by_items(worker):
         "percent_done": 20.0,
         "throughput_per_minute": 2.0,
         "eta_seconds": 1400,
+        # Added by fair share (issue 12).
+        "weight": 1,
+        "max_in_flight": None,
+        "in_flight": 1,
     }
 
 

@@ -211,6 +211,17 @@ def _resume(world: World, b: int) -> Any:
     return transitions.resume_batch(_batch(world, b), actor=world.actor, now=world.now)
 
 
+def _share(world: World, b: int, priority: int, weight: int, cap: int | None) -> Any:
+    return transitions.set_share(
+        _batch(world, b),
+        priority=priority,
+        weight=weight,
+        max_in_flight=cap,
+        actor=world.actor,
+        now=world.now,
+    )
+
+
 def _settle(world: World) -> Any:
     return transitions.settle(now=world.now)
 
@@ -266,6 +277,7 @@ _APPLY = {
     "pause": _pause,
     "resume": _resume,
     "settle": _settle,
+    "share": _share,
     "drift_item": _drift_item,
     "stray_lease": _stray_lease,
     "drop_ledger_row": _drop_ledger_row,

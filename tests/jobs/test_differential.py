@@ -115,6 +115,21 @@ CASES = {
         ("retry", 0),
         ("retry", 1),
     ],
+    "fair share: weights, a cap, a priority move, a resume": [
+        ("share", 0, 0, 3, None),
+        ("share", 2, 0, 1, 1),
+        *[("claim", w % 3) for w in range(6)],
+        ("complete", 0),
+        ("claim", 1),
+        ("share", 1, 0, 2, None),
+        ("pause", 0),
+        *[("claim", w % 3) for w in range(3)],
+        ("resume", 0),
+        ("share", 1, 0, 2, None),
+        *[("claim", w % 3) for w in range(4)],
+        ("complete", 2),
+        ("claim", 0),
+    ],
     "pause and resume": [
         ("pause", 1),
         ("claim", 0),
@@ -237,6 +252,15 @@ class BackendsAgree(RuleBasedStateMachine):
     @rule(b=st.integers(0, 2), pause=st.booleans())
     def pause_or_resume(self, b, pause):
         self._do("pause" if pause else "resume", b)
+
+    @rule(
+        b=st.integers(0, 2),
+        priority=st.sampled_from([0, 5]),
+        weight=st.sampled_from([1, 2, 3, 1000]),
+        cap=st.none() | st.integers(1, 3),
+    )
+    def share(self, b, priority, weight, cap):
+        self._do("share", b, priority, weight, cap)
 
     @rule(j=st.integers(0, 8), status=st.sampled_from(ITEM_STATUSES))
     def drift_item(self, j, status):

@@ -404,3 +404,108 @@ def test_a_cancel_cut_short_by_its_time_limit_is_finished_by_reconciliation(
     assert reconcile(now=timezone.now()).cancels_finished == 12
     assert batch.counts()["cancelled"] == 12
     assert_consistent(timezone.now())
+
+
+def test_an_operator_changes_the_share_and_it_is_an_event(operator_client, operator):
+    batch = make_batch(3)
+
+    response = operator_client.post(
+        f"/batches/{batch.pk}/share",
+        {"priority": 2, "weight": 3, "max_in_flight": 4, "return_query": "q=a"},
+        follow=True,
+    )
+
+    assert response.redirect_chain == [(f"/batches/{batch.pk}/?q=a", 302)]
+    assert _messages(response) == [
+        "Changed priority 0 -> 2, weight 1 -> 3, max in flight unlimited -> 4; the "
+        "next claim follows it."
+    ]
+    batch.refresh_from_db()
+    assert (batch.priority, batch.weight, batch.max_in_flight) == (2, 3, 4)
+    event = Event.objects.get(kind=Event.Kind.BATCH_CHANGED)
+    assert (event.actor, event.batch_id) == (operator, batch.pk)
+    page = response.content.decode()
+    assert "priority 2 · weight 3 · max in flight 4" in page
+    assert "0 of 0 leases, weight 3, at most 4 in flight" in page
+
+    response = operator_client.post(
+        f"/batches/{batch.pk}/share",
+        {"priority": 2, "weight": 3, "max_in_flight": ""},
+        follow=True,
+    )
+    assert "max in flight 4 -&gt; unlimited" in response.content.decode()
+    assert Batch.objects.get(pk=batch.pk).max_in_flight is None
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"priority": 0, "weight": 0},
+            "Nothing was changed. Weight: Ensure this value is greater than or "
+            "equal to 1.",
+        ),
+        (
+            {"priority": 0, "weight": 1001},
+            "Nothing was changed. Weight: Ensure this value is less than or equal "
+            "to 1000.",
+        ),
+        (
+            {"priority": 0, "weight": 2, "max_in_flight": "-3"},
+            "Nothing was changed. Max in flight: Ensure this value is greater "
+            "than or equal to 1.",
+        ),
+        (
+            {"priority": "x", "weight": 2},
+            "Nothing was changed. Priority: Enter a whole number.",
+        ),
+    ],
+)
+def test_a_bad_share_changes_nothing(operator_client, data, message):
+    batch = make_batch(2)
+
+    response = operator_client.post(f"/batches/{batch.pk}/share", data, follow=True)
+
+    assert _messages(response) == [message]
+    batch.refresh_from_db()
+    assert (batch.priority, batch.weight, batch.max_in_flight) == (0, 1, None)
+    assert not Event.objects.filter(kind=Event.Kind.BATCH_CHANGED).exists()
+
+
+def test_a_viewer_cannot_change_the_share(viewer_client):
+    batch = make_batch(2)
+
+    response = viewer_client.post(
+        f"/batches/{batch.pk}/share", {"priority": 1, "weight": 5}
+    )
+
+    assert response.status_code == 403
+    assert Batch.objects.get(pk=batch.pk).weight == 1
+
+
+def test_the_new_batch_form_takes_weight_and_max_in_flight(operator_client):
+    response = operator_client.post(
+        "/batches/new/",
+        {
+            "name": "Shared",
+            "priority": 1,
+            "weight": 5,
+            "max_in_flight": 2,
+            "sources": "/a",
+        },
+    )
+
+    assert response.status_code == 302
+    batch = Batch.objects.get(name="Shared")
+    assert (batch.priority, batch.weight, batch.max_in_flight) == (1, 5, 2)
+
+
+def test_progress_json_has_weight_cap_and_in_flight(operator_client, worker):
+    batch = make_batch(4)
+    transitions.set_share(batch, priority=0, weight=7, max_in_flight=None)
+    claim(worker, now=timezone.now())
+
+    body = operator_client.get(f"/batches/{batch.pk}/progress.json").json()
+
+    assert (body["weight"], body["max_in_flight"], body["in_flight"]) == (7, None, 1)
+    assert body["counts"]["transcribing"] == 1

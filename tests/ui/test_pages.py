@@ -178,6 +178,10 @@ def test_progress_json(viewer_client, worker):
         "percent_done",
         "throughput_per_minute",
         "eta_seconds",
+        # Added by fair share (issue 12); the fields above keep their meaning.
+        "weight",
+        "max_in_flight",
+        "in_flight",
     }
     assert (body["batch"], body["state"], body["total"], body["percent_done"]) == (
         batch.pk,

@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 
 from batches.intake import ManifestInvalid, create_batch, file_lines
+from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT
 
 
 class Command(BaseCommand):
@@ -20,17 +21,57 @@ class Command(BaseCommand):
         parser.add_argument(
             "--priority", type=int, default=0, help="Higher runs first (default 0)."
         )
+        parser.add_argument(
+            "--weight",
+            default="1",
+            help=f"Share of the workers among open batches of the same priority, "
+            f"1 to {MAX_WEIGHT} (default 1).",
+        )
+        parser.add_argument(
+            "--max-in-flight",
+            default=None,
+            help="At most this many items in flight at once (default: no cap).",
+        )
 
-    def handle(self, *args, name: str, manifest: str, priority: int, **options) -> None:
+    def handle(
+        self,
+        *args,
+        name: str,
+        manifest: str,
+        priority: int,
+        weight: str,
+        max_in_flight: str | None,
+        **options,
+    ) -> None:
         if not -32768 <= priority <= 32767:
             raise CommandError("--priority must be between -32768 and 32767.")
+        weight_value = _whole_number(weight)
+        if weight_value is None or not 1 <= weight_value <= MAX_WEIGHT:
+            raise CommandError(
+                f"--weight must be a whole number from 1 to {MAX_WEIGHT}, "
+                f"not {weight!r}."
+            )
+        cap = None
+        if max_in_flight is not None:
+            cap = _whole_number(max_in_flight)
+            if cap is None or not 1 <= cap <= MAX_IN_FLIGHT:
+                raise CommandError(
+                    f"--max-in-flight must be a whole number from 1 to "
+                    f"{MAX_IN_FLIGHT}, not {max_in_flight!r}."
+                )
         try:
             with open(manifest, "rb"):
                 pass
         except OSError as error:
             raise CommandError(f"Cannot read {manifest}: {error.strerror}.") from None
         try:
-            batch = create_batch(name, file_lines(manifest), priority=priority)
+            batch = create_batch(
+                name,
+                file_lines(manifest),
+                priority=priority,
+                weight=weight_value,
+                max_in_flight=cap,
+            )
         except ManifestInvalid as invalid:
             raise CommandError(
                 f"{manifest} is not a valid manifest; nothing was created.\n{invalid}"
@@ -39,3 +80,9 @@ class Command(BaseCommand):
             f"Created batch {batch.name!r} with {batch.total} items. Its id:"
         )
         self.stdout.write(str(batch.pk))
+
+
+def _whole_number(text: str) -> int | None:
+    """``text`` as a whole number written in plain digits, else None."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else None
