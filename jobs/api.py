@@ -252,6 +252,15 @@ def _no_such_job(job_id: int) -> ApiError:
 
 @worker_endpoint
 def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpResponse:
+    cap = settings.RECALL_MAX_LEASES_PER_WORKER
+    if worker.live_leases >= cap:
+        raise ApiError(
+            429,
+            "too_many_leases",
+            f"Worker {worker.name!r} already holds {worker.live_leases} live leases "
+            f"(the limit is {cap}): finish, fail or release one before claiming more.",
+            {"Retry-After": str(heartbeat_interval())},
+        )
     job = transitions.claim_next(worker, now=now)
     if job is None:
         return HttpResponse(status=204)

@@ -94,6 +94,9 @@ class Worker(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    # Set by the worker's authentication: the leases it holds right now.
+    live_leases: int = 0
+
     def seen_long_ago(self, now: datetime) -> bool:
         """True when ``last_seen`` is worth writing again (see the resolution)."""
         return (

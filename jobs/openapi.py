@@ -108,6 +108,20 @@ SPEC = {
                         "description": "Nothing is claimable now; poll again later."
                     },
                     **ERRORS,
+                    "429": {
+                        "description": "too_many_leases: the worker already holds RECALL_MAX_LEASES_PER_WORKER live leases; retry after Retry-After seconds.",
+                        "headers": {
+                            "Retry-After": {
+                                "description": "Seconds to wait.",
+                                "schema": {"type": "integer"},
+                            }
+                        },
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/Error"}
+                            }
+                        },
+                    },
                 },
             }
         },

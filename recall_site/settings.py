@@ -183,6 +183,9 @@ RECALL_RETRY_BACKOFF_SECONDS = env.int("RECALL_RETRY_BACKOFF_SECONDS", default=3
 RECALL_RETRY_BACKOFF_MAX_SECONDS = env.int(
     "RECALL_RETRY_BACKOFF_MAX_SECONDS", default=3600
 )
+# Live leases one worker (one token) may hold: a claim beyond it answers 429, so a
+# leaked token cannot drain the queue into leases that then expire.
+RECALL_MAX_LEASES_PER_WORKER = env.int("RECALL_MAX_LEASES_PER_WORKER", default=32)
 # How many expired leases one claim reclaims before it looks for work.
 RECALL_RECLAIM_ON_CLAIM = env.int("RECALL_RECLAIM_ON_CLAIM", default=100)
 # Rows per transaction in the sweep and in bulk operations: keeps locks short.
@@ -211,7 +214,12 @@ RECALL_MAX_MANIFEST_BYTES = env.int(
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 
-for _name in ("RECALL_LEASE_SECONDS", "RECALL_MAX_ATTEMPTS", "RECALL_CHUNK_SIZE"):
+for _name in (
+    "RECALL_LEASE_SECONDS",
+    "RECALL_MAX_ATTEMPTS",
+    "RECALL_CHUNK_SIZE",
+    "RECALL_MAX_LEASES_PER_WORKER",
+):
     if globals()[_name] < 1:
         raise ImproperlyConfigured(f"{_name} must be at least 1.")
 if RECALL_RETRY_BACKOFF_SECONDS < 0:

@@ -69,7 +69,12 @@ class WorkerAdmin(admin.ModelAdmin):
     search_fields = ("name",)
     ordering = ("name",)
     form = WorkerForm
-    actions = ("disable_workers", "enable_workers", "rotate_tokens")
+    actions = (
+        "disable_workers",
+        "disable_and_reclaim",
+        "enable_workers",
+        "rotate_tokens",
+    )
     change_fields = (
         "name",
         "is_active",
@@ -117,6 +122,9 @@ class WorkerAdmin(admin.ModelAdmin):
     def has_rotate_worker_token_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("jobs.rotate_worker_token")
 
+    def has_disable_and_reclaim_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perms(["jobs.disable_worker", "jobs.force_reclaim"])
+
     # Creating a worker: the token is made here and shown once.
 
     def save_model(self, request, obj: Worker, form, change: bool) -> None:
@@ -159,6 +167,69 @@ class WorkerAdmin(admin.ModelAdmin):
         self, request: HttpRequest, queryset: QuerySet
     ) -> HttpResponse | None:
         return self._set_active(request, queryset, active=False)
+
+    @admin.action(
+        description="Disable selected workers and reclaim their leases now",
+        permissions=["disable_and_reclaim"],
+    )
+    def disable_and_reclaim(
+        self, request: HttpRequest, queryset: QuerySet
+    ) -> HttpResponse | None:
+        """Stop a stolen or broken worker at once: disabled, and every live
+        lease it holds force-reclaimed, in one transaction per worker."""
+        workers = list(queryset.order_by("name"))
+        if not is_confirmed(request):
+            leases = sum(getattr(w, "live", 0) for w in workers)
+            return render_confirmation(
+                self,
+                request,
+                Confirmation(
+                    title="Disable workers and reclaim their leases",
+                    summary="Disable the selected workers and end their live "
+                    "leases now.",
+                    counts=[
+                        ("Workers selected: disabled", len(workers)),
+                        ("Their live leases: force-reclaimed", leases),
+                    ],
+                    effects=[
+                        "Every request they make gets 403 from now on.",
+                        "Each job they hold goes back to queued with its item; the "
+                        "attempt is not counted, and its lease-ledger row is closed "
+                        "as “forced”.",
+                        "If the worker comes back, its old lease tokens are refused "
+                        "(409): it cannot touch those jobs again.",
+                    ],
+                    sample=[_describe_worker(w) for w in workers[:SAMPLE_SIZE]],
+                    changing=len(workers),
+                    button=f"Disable {_workers(len(workers))} and reclaim",
+                ),
+            )
+        ended = 0
+        for worker in workers:
+
+            def audit(jobs, worker=worker) -> None:
+                log_changes(
+                    request,
+                    [worker],
+                    f"Disabled and reclaimed {len(jobs)} live lease(s): its requests "
+                    f"get 403, its jobs are queued again.",
+                )
+                log_changes(
+                    request,
+                    jobs,
+                    "Force reclaim: the worker was disabled; job queued again.",
+                )
+
+            ended += len(
+                transitions.disable_and_reclaim(worker, actor=request.user, audit=audit)
+            )
+        self.message_user(
+            request,
+            f"Disabled {_workers(len(workers))}; {ended} live lease(s) reclaimed "
+            f"and their jobs queued again.",
+            messages.SUCCESS,
+        )
+        return None
 
     @admin.action(
         description="Re-enable selected workers", permissions=["disable_worker"]

@@ -53,6 +53,7 @@ __all__ = [
     "complete",
     "create_batch",
     "create_worker",
+    "disable_and_reclaim",
     "drop_throughput",
     "fail",
     "fail_exhausted",
@@ -226,6 +227,18 @@ def force_reclaim_many(
 ) -> int:
     """``force_reclaim`` for every leased job of ``jobs``, one transaction each."""
     return actions.force_reclaim_many(jobs, now=_now(now), actor=actor, audit=audit)
+
+
+def disable_and_reclaim(
+    worker: Worker,
+    *,
+    actor: Any = None,
+    now: datetime | None = None,
+    audit: Audit | None = None,
+) -> list[Job]:
+    """Disable a worker and force-reclaim its live leases, in one transaction;
+    the jobs whose leases ended."""
+    return actions.disable_and_reclaim(worker, now=_now(now), actor=actor, audit=audit)
 
 
 def cancel_job(

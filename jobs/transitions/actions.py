@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 
 from batches.models import Batch, BatchCounter, ItemStatus
-from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd
+from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd, Worker
 
 from .rows import (
     group_by,
@@ -319,6 +319,34 @@ def force_reclaim_many(
             total += job is not None
         after = ids[-1]
     return total
+
+
+def disable_and_reclaim(
+    worker: Worker,
+    *,
+    now: datetime,
+    actor: Any = None,
+    audit: Audit | None = None,
+) -> list[Job]:
+    """Stop a stolen or broken worker at once: disable it (its requests get
+    403) and force-reclaim every live lease it holds, in one transaction.
+    Returns the jobs whose leases ended (queued again, attempts refunded)."""
+    with transaction.atomic():
+        Worker.objects.filter(pk=worker.pk).update(is_active=False)
+        worker.is_active = False
+        ids = list(
+            Job.objects.filter(leased_by=worker, status=JobStatus.LEASED)
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        )
+        reclaimed = [
+            job
+            for job in (force_reclaim(pk, now=now, actor=actor) for pk in ids)
+            if job is not None
+        ]
+        if audit is not None:
+            audit(reclaimed)
+    return reclaimed
 
 
 def cancel_job(job_id: int, *, now: datetime, actor: Any = None) -> bool:

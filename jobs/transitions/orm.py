@@ -106,15 +106,26 @@ class OrmBackend:
 
     def authenticate(self, token: str) -> tuple[Worker | None, datetime | None]:
         """The worker holding ``token`` (active or not), or None; and the
-        request's time, read with it (from the database on PostgreSQL)."""
+        request's time, read with it (from the database on PostgreSQL). The
+        worker comes with ``live_leases``, the leases it holds now."""
         if not plausible_worker_token(token):
             return None, None
-        candidates = Worker.objects.filter(token_prefix=prefix_of(token))
+        live = (
+            Job.objects.filter(leased_by=OuterRef("pk"), status=JobStatus.LEASED)
+            .order_by()
+            .values("leased_by")
+            .annotate(n=Count("pk"))
+            .values("n")
+        )
+        candidates = Worker.objects.filter(token_prefix=prefix_of(token)).annotate(
+            leases_held=Coalesce(Subquery(live), 0)
+        )
         if self.database_clock:
             candidates = candidates.annotate(db_now=Now())
         digest = hash_token(token)
         for worker in candidates:
             if hmac.compare_digest(worker.token_hash, digest):
+                worker.live_leases = worker.leases_held
                 now = getattr(worker, "db_now", None) or timezone.now()
                 return worker, now
         return None, None

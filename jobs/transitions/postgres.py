@@ -75,9 +75,10 @@ class PostgresBackend(OrmBackend):
         rows = self._fetchall(
             statements.WORKERS_WITH_PREFIX, {"prefix": prefix_of(token)}
         )
-        for *columns, now in rows:
+        for *columns, live_leases, now in rows:
             worker = self._from_db(Worker, Worker._meta.concrete_fields, columns)
             if hmac.compare_digest(worker.token_hash, digest):
+                worker.live_leases = live_leases
                 return worker, now
         return None, None
 

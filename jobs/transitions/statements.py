@@ -219,9 +219,15 @@ def shift_and_record(moves: str, *, one_row: bool) -> str:
 # --- Workers ---------------------------------------------------------------------
 
 # Every API request authenticates its worker by the token's clear prefix, and
-# takes the request's time from the database with it (no round trip more).
+# takes with it the request's time from the database and how many live leases
+# the worker holds (its cap), at no round trip more.
 WORKERS_WITH_PREFIX = sql(
-    """SELECT {columns}, statement_timestamp() FROM {worker} w
+    """SELECT {columns}, (
+        SELECT count(*) FROM {job} j
+        WHERE j.{job.leased_by} = w.{worker.id}
+          AND j.{job.status} = {job_status[leased]}
+    ), statement_timestamp()
+    FROM {worker} w
     WHERE w.{worker.token_prefix} = %(prefix)s""",
     columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
 )

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
+from django.contrib.contenttypes.models import ContentType
 
 from jobs import transitions
-from jobs.models import Job, Worker
+from jobs.models import Event, Job, Worker
 from jobs.tokens import hash_token
 
 from ..factories import WorkerClient, make_batch, make_worker
@@ -207,3 +208,69 @@ def test_only_a_worker_that_never_held_a_lease_can_be_deleted(staff, worker, api
     # No bulk delete: it would list every ledger row of every selected worker.
     page = client.get(WORKERS)
     assert b'value="delete_selected"' not in page.content
+
+
+def test_disable_and_reclaim_stops_a_worker_and_hands_its_jobs_out_at_once(
+    staff, worker, other_worker, api
+):
+    make_batch(3)
+    held = [api.claim().json()["job"] for _ in range(2)]
+    user, client = staff(
+        "ops", "jobs.view_worker", "jobs.disable_worker", "jobs.force_reclaim"
+    )
+
+    page = act(client, "disable_and_reclaim", [worker.pk], confirm=False, url=WORKERS)
+
+    assert page.context["confirmation"].counts == [
+        ("Workers selected: disabled", 1),
+        ("Their live leases: force-reclaimed", 2),
+    ]
+    assert Worker.objects.get(pk=worker.pk).is_active is True
+
+    response = act(
+        client, "disable_and_reclaim", [worker.pk], confirm=True, url=WORKERS
+    )
+
+    assert messages_of(response) == [
+        "Disabled 1 worker; 2 live lease(s) reclaimed and their jobs queued again."
+    ]
+    assert Worker.objects.get(pk=worker.pk).is_active is False
+    for job in held:
+        assert Job.objects.get(pk=job["id"]).status == "queued"
+        assert _error(api.heartbeat(job["id"], job["lease_token"])) == (
+            403,
+            "forbidden",
+        )
+    # Another worker takes them at once (the attempts were refunded).
+    again = transitions.claim_next(other_worker)
+    assert again is not None and again.attempts == 1
+    assert list(
+        LogEntry.objects.filter(
+            user=user,
+            object_id=str(worker.pk),
+            content_type=ContentType.objects.get_for_model(Worker),
+        ).values_list("change_message", flat=True)
+    ) == [
+        "Disabled and reclaimed 2 live lease(s): its requests get 403, its jobs "
+        "are queued again."
+    ]
+    assert (
+        LogEntry.objects.filter(
+            user=user,
+            change_message__startswith="Force reclaim: the worker was disabled",
+        ).count()
+        == 2
+    )
+    assert (
+        Event.objects.filter(kind=Event.Kind.FORCE_RECLAIMED, actor=user).count() == 2
+    )
+
+
+def test_disable_and_reclaim_needs_both_permissions(staff, worker):
+    _, client = staff("half", "jobs.view_worker", "jobs.disable_worker")
+
+    listing = client.get(WORKERS)
+
+    assert b'value="disable_and_reclaim"' not in listing.content
+    act(client, "disable_and_reclaim", [worker.pk], confirm=True, url=WORKERS)
+    assert Worker.objects.get(pk=worker.pk).is_active is True

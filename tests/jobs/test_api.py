@@ -429,3 +429,23 @@ def test_the_openapi_description_is_served_and_covers_every_endpoint(db):
         "/api/v1/jobs/{job_id}/release",
     }
     assert spec["components"]["securitySchemes"]["workerToken"]["scheme"] == "bearer"
+
+
+def test_a_worker_over_its_lease_cap_gets_429_with_retry_after(api, settings):
+    settings.RECALL_MAX_LEASES_PER_WORKER = 2
+    make_batch(5)
+    held = [api.claim().json()["job"] for _ in range(2)]
+
+    response = api.claim()
+
+    assert response.status_code == 429
+    assert response["Retry-After"] == "20"
+    assert response.json() == {
+        "error": "too_many_leases",
+        "detail": "Worker 'gpu-1' already holds 2 live leases (the limit is 2): "
+        "finish, fail or release one before claiming more.",
+    }
+    assert Job.objects.filter(status="leased").count() == 2
+    # Finishing one makes room again.
+    api.complete(held[0]["id"], held[0]["lease_token"])
+    assert api.claim().status_code == 200
