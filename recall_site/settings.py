@@ -12,6 +12,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from . import secret_key
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -23,14 +25,29 @@ VAR_DIR = Path(env.str("RECALL_VAR_DIR", default=str(BASE_DIR / "var")))
 
 DEBUG = env.bool("DEBUG", default=False)
 
+# The embedded set-up: no DATABASE_URL, so the SQLite file under var/. That is
+# what `make run` serves, and every manage.py command on the same checkout must
+# see the same database and the same key without exporting anything.
+EMBEDDED = not env.str("DATABASE_URL", default="")
+
 SECRET_KEY = env.str("SECRET_KEY", default="")
+if not SECRET_KEY and EMBEDDED:
+    # Created on first use (mode 600), then shared by the server, the cluster
+    # and every command; never used once DATABASE_URL points elsewhere.
+    SECRET_KEY = secret_key.key_file(VAR_DIR / "secret_key")
 if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured(
             "Set SECRET_KEY in the environment (or DEBUG=on for a throwaway "
-            "development key). `make run` generates one under var/."
+            "development key). Without DATABASE_URL, Recall keeps one in "
+            "var/secret_key."
         )
     SECRET_KEY = "django-insecure-recall-development-only"
+if not DEBUG and (weakness := secret_key.weakness(SECRET_KEY)):
+    raise ImproperlyConfigured(
+        f"SECRET_KEY is too weak: {weakness}. Generate one with: python3 -c "
+        f"'import secrets; print(secrets.token_urlsafe(50))'"
+    )
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])

@@ -24,6 +24,7 @@ import contextlib
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         port = free_port()
         env = {
             "PATH": os.environ["PATH"],
-            "SECRET_KEY": "chaos-run-secret",
+            "SECRET_KEY": secrets.token_urlsafe(50),
             "DATABASE_URL": url,
             "RECALL_HTTPS": "off",
             "RECALL_VAR_DIR": str(work),

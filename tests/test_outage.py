@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ pytestmark = [
 def _env(database_url: str, **extra: str) -> dict:
     return {
         "PATH": os.environ["PATH"],
-        "SECRET_KEY": "outage-test-secret",
+        "SECRET_KEY": secrets.token_urlsafe(50),
         "DATABASE_URL": database_url,
         "RECALL_HTTPS": "off",
         "RECALL_VAR_DIR": str(ROOT / "var"),

@@ -39,3 +39,60 @@ def test_production_refuses_to_start_without_a_secret_key():
 
     assert result.returncode != 0
     assert "Set SECRET_KEY in the environment" in result.stderr
+
+
+def test_a_weak_secret_key_is_refused_at_start_up():
+    for key, why in (
+        ("x" * 20 + "abcdefghij", "it has 30 characters; at least 50 are needed"),
+        (
+            "django-insecure-" + "abcdefghij" * 5,
+            "it starts with Django's 'django-insecure-' prefix",
+        ),
+        ("ab" * 30, "it has fewer than 5 different characters"),
+    ):
+        result = manage("check", env={**PRODUCTION, "SECRET_KEY": key})
+
+        assert result.returncode != 0
+        assert f"SECRET_KEY is too weak: {why}" in result.stderr
+
+
+def test_a_weak_secret_key_is_allowed_in_debug():
+    env = {**PRODUCTION, "SECRET_KEY": "short", "DEBUG": "on"}
+
+    result = manage("check", env=env)
+
+    assert result.returncode == 0, result.stderr
+    assert "System check identified no issues" in result.stdout
+
+
+def test_the_embedded_set_up_keeps_its_key_in_var(tmp_path):
+    # No SECRET_KEY, no DATABASE_URL: what `make run` and every manage.py command
+    # on the same checkout see. The key is made once (mode 600) and then shared.
+    env = {"PATH": os.environ["PATH"], "RECALL_VAR_DIR": str(tmp_path)}
+    show = "from django.conf import settings; print(settings.SECRET_KEY)"
+
+    first = manage("shell", "-v", "0", "-c", show, env=env)
+    second = manage("shell", "-v", "0", "-c", show, env=env)
+
+    assert first.returncode == 0, first.stderr
+    key_file = tmp_path / "secret_key"
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    key = key_file.read_text().strip()
+    assert len(key) >= 50
+    assert first.stdout.strip() == second.stdout.strip() == key
+
+
+def test_the_key_file_is_not_used_with_another_database(tmp_path):
+    (tmp_path / "secret_key").write_text(
+        "k" * 30 + "-a-long-random-production-secret-value"
+    )
+    env = {
+        "PATH": os.environ["PATH"],
+        "RECALL_VAR_DIR": str(tmp_path),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'other.sqlite3'}",
+    }
+
+    result = manage("check", env=env)
+
+    assert result.returncode != 0
+    assert "Set SECRET_KEY in the environment" in result.stderr
