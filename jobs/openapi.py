@@ -248,8 +248,18 @@ SPEC = {
                                     "type": "object",
                                     "required": ["start", "end", "text"],
                                     "properties": {
-                                        "start": {"type": "number", "minimum": 0},
-                                        "end": {"type": "number", "minimum": 0},
+                                        "start": {
+                                            "type": "number",
+                                            "minimum": 0,
+                                            "maximum": 10_000_000,
+                                            "description": "seconds; at most 'end'",
+                                        },
+                                        "end": {
+                                            "type": "number",
+                                            "minimum": 0,
+                                            "maximum": 10_000_000,
+                                            "description": "seconds",
+                                        },
                                         "text": {"type": "string"},
                                     },
                                 },
