@@ -221,6 +221,15 @@ RECALL_MAX_MANIFEST_BYTES = env.int(
 )
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
+# URL schemes a source may have (plain paths, absolute or relative, are always
+# allowed); intake refuses any other (ftp:, data:, javascript: ...).
+RECALL_SOURCE_SCHEMES = [
+    scheme.strip().lower().removesuffix(":")
+    for scheme in env.list(
+        "RECALL_SOURCE_SCHEMES", default=["s3", "gs", "az", "http", "https", "file"]
+    )
+    if scheme.strip()
+]
 
 for _name in ("RECALL_LEASE_SECONDS", "RECALL_MAX_ATTEMPTS", "RECALL_CHUNK_SIZE"):
     if globals()[_name] < 1:

@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             "DATABASE_CONNECT_TIMEOUT": "2",
             "CONN_MAX_AGE": "60",
             "LOG_LEVEL": "WARNING",
+            # The chaos engine's own sources: chaos://item/N.wav.
+            "RECALL_SOURCE_SCHEMES": "chaos",
         }
         _manage(env, "migrate", "-v0")
         tokens = [
