@@ -7,6 +7,7 @@ PostgreSQL, SECRET_KEY and ALLOWED_HOSTS.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import environ
@@ -61,6 +62,7 @@ INSTALLED_APPS = [
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "django_q",
+    "axes",
     "batches",
     "jobs",
 ]
@@ -76,6 +78,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "recall_site.middleware.DatabaseUnavailableMiddleware",
+    # Last, as django-axes asks: turns a locked-out login into its 429 page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "recall_site.urls"
@@ -142,6 +146,26 @@ TIME_ZONE = env.str("TIME_ZONE", default="UTC")
 USE_I18N = True
 USE_TZ = True
 
+# --- Login throttling (django-axes; recall_site/auth.py) ------------------------
+# After RECALL_LOGIN_FAILURE_LIMIT failed logins, a username is locked out from
+# the address that failed (other users, and the same user elsewhere, are not)
+# for RECALL_LOGIN_LOCKOUT_MINUTES; an admin unlocks sooner by deleting its
+# access attempts (Admin, Axes). The login page and the admin's alike.
+AUTHENTICATION_BACKENDS = [
+    "recall_site.auth.LoginThrottleBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env.int("RECALL_LOGIN_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(
+    minutes=env.int("RECALL_LOGIN_LOCKOUT_MINUTES", default=15)
+)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = "recall_site.auth.client_ip"
+AXES_USERNAME_CALLABLE = "recall_site.auth.username"
+AXES_LOCKOUT_CALLABLE = "recall_site.auth.locked_out"
+AXES_VERBOSE = False
+
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "login"
@@ -177,7 +201,11 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = RECALL_HTTPS
 # The preload flag alone enrolls nothing: a site must still be submitted to the list.
 SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=RECALL_HTTPS)
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
-if env.bool("RECALL_BEHIND_PROXY", default=False):
+# Behind a TLS-terminating reverse proxy: trust its X-Forwarded-Proto, and take
+# the client's address from the X-Forwarded-For entry it appended (login
+# throttling counts failures per address).
+RECALL_BEHIND_PROXY = env.bool("RECALL_BEHIND_PROXY", default=False)
+if RECALL_BEHIND_PROXY:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
