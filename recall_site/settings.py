@@ -11,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import environ
+from csp import constants as csp
 from django.core.exceptions import ImproperlyConfigured
 
 from . import secret_key
@@ -63,6 +64,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django_q",
     "axes",
+    "csp",
     "batches",
     "jobs",
 ]
@@ -70,6 +72,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "recall_site.middleware.HealthCheckMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -210,6 +213,25 @@ if RECALL_BEHIND_PROXY:
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 
+# Content-Security-Policy (django-csp): scripts and styles only from Recall's own
+# static files, never inline (the progress bars are SVG geometry, not style
+# attributes), so injected markup can neither run nor restyle anything. The
+# worker API answers JSON to programs: no policy there.
+CONTENT_SECURITY_POLICY = {
+    "EXCLUDE_URL_PREFIXES": ["/api/"],
+    "DIRECTIVES": {
+        "default-src": [csp.SELF],
+        "script-src": [csp.SELF],
+        "style-src": [csp.SELF],
+        "img-src": [csp.SELF],
+        "connect-src": [csp.SELF],
+        "form-action": [csp.SELF],
+        "frame-ancestors": [csp.NONE],
+        "base-uri": [csp.NONE],
+        "object-src": [csp.NONE],
+    },
+}
+
 # --- Recall -------------------------------------------------------------------
 # PostgreSQL: prepare the claim's and completion's statements once per connection
 # (jobs/pgsql.py). Turn off behind a pooler that cannot keep prepared statements
@@ -296,5 +318,7 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
+        # django-axes logs every login at INFO; lockouts are WARNING.
+        "axes": {"level": "WARNING"},
     },
 }
