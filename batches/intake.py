@@ -327,13 +327,16 @@ def create_batch(
     priority: int = 0,
     created_by=None,
     now=None,
+    on_created: Callable[[Batch], None] | None = None,
 ) -> Batch:
     """Validate the manifest, then create the batch, items, jobs and counters.
 
     ``open_manifest`` returns a fresh iterable of the manifest's lines each time
     it is called (the manifest is read twice). Raises ManifestInvalid, having
     created nothing, if any line is wrong. Everything is written in one
-    transaction: a batch is never visible half-created.
+    transaction: a batch is never visible half-created. ``on_created(batch)``
+    runs last inside that transaction, so what a caller records about the new
+    batch (a background intake's outcome) commits with it or not at all.
     """
     name = check_name(name)
     now = now or timezone.now()
@@ -373,6 +376,8 @@ def create_batch(
             row["timed"] for row in shards.values()
         )
         batch.save(update_fields=["total", "total_ms", "durations_known"])
+        if on_created is not None:
+            on_created(batch)
     return batch
 
 

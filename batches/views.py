@@ -39,10 +39,13 @@ from django.views.decorators.http import require_GET, require_POST
 from jobs.models import Event, Job, JobStatus
 
 from . import exports
+from .background import stale_after, start_intake
 from .forms import ItemFilterForm, NewBatchForm
-from .intake import ManifestInvalid, create_batch
+from .intake import LineError, ManifestInvalid, create_batch
+from .intakes import Intake, IntakeStatus
 from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from .progress import BatchState, format_duration, progress_for, progress_for_many
+from .uploads import ManifestSizeLimit, ManifestTooLarge
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
@@ -359,6 +362,8 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @permission_required("batches.add_batch", raise_exception=True)
 @csrf_exempt  # checked inside, where an oversized body can get a clear answer
 def batch_new(request: HttpRequest) -> HttpResponse:
+    # Before anything reads the body: the size limit applies while it arrives.
+    request.upload_handlers.insert(0, ManifestSizeLimit(request))
     try:
         return _batch_new(request)
     except RequestDataTooBig:
@@ -369,6 +374,18 @@ def batch_new(request: HttpRequest) -> HttpResponse:
             NewBatchForm(),
             top_errors=[
                 f"The pasted text is larger than {limit}; upload it as a file instead."
+            ],
+            status=413,
+        )
+    except ManifestTooLarge as too_large:
+        # Reading stopped at the limit: the rest of the file was never stored.
+        return _new_form(
+            request,
+            NewBatchForm(),
+            top_errors=[
+                f"The file is larger than {filesizeformat(too_large.limit)}, the "
+                f"limit; Recall stopped reading it and created nothing. Split it "
+                f"into several batches, or use the create_batch command."
             ],
             status=413,
         )
@@ -383,7 +400,17 @@ def _batch_new(request: HttpRequest) -> HttpResponse:
     form = NewBatchForm(request.POST, request.FILES)
     if not form.is_valid():
         return _new_form(request, form, status=400)
+    upload = form.cleaned_data.get("manifest")
     try:
+        if upload and upload.size > settings.RECALL_BACKGROUND_INTAKE_BYTES:
+            # Too long for a web request: the cluster takes it from here.
+            intake = start_intake(
+                form.cleaned_data["name"],
+                upload,
+                priority=form.cleaned_data["priority"],
+                created_by=request.user,
+            )
+            return redirect("intake-detail", pk=intake.pk)
         batch = create_batch(
             form.cleaned_data["name"],
             _opener(form.cleaned_data),
@@ -404,6 +431,35 @@ def _batch_new(request: HttpRequest) -> HttpResponse:
         )
     messages.success(request, f"Created batch “{batch.name}” with {batch.total} items.")
     return redirect("batch-detail", pk=batch.pk)
+
+
+@require_GET
+@viewer_required
+def intake_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A background intake: its progress, then its batch (or what was wrong)."""
+    intake = get_object_or_404(Intake.objects.select_related("batch"), pk=pk)
+    if intake.status == IntakeStatus.DONE and intake.batch is not None:
+        return redirect("batch-detail", pk=intake.batch.pk)
+    now = timezone.now()
+    waiting = intake.status in (IntakeStatus.QUEUED, IntakeStatus.RUNNING)
+    quiet = now - intake.updated_at
+    response = render(
+        request,
+        "batches/intake.html",
+        {
+            "intake": intake,
+            "waiting": waiting,
+            "interrupted": waiting and quiet > stale_after(),
+            "no_cluster": intake.status == IntakeStatus.QUEUED
+            and quiet > timedelta(seconds=30),
+            "elapsed": format_duration((now - intake.created_at).total_seconds()),
+            "line_errors": [LineError(e["line"], e["message"]) for e in intake.errors],
+            "more_errors": intake.total_errors - len(intake.errors),
+            "nav": "new",
+        },
+    )
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 def _new_form(

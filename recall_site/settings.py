@@ -269,6 +269,11 @@ RECALL_READY_MAX_SWEEP_AGE_SECONDS = env.int(
 RECALL_MAX_MANIFEST_BYTES = env.int(
     "RECALL_MAX_MANIFEST_BYTES", default=100 * 1024 * 1024
 )
+# Manifest files larger than this are taken in by the django-q2 cluster in the
+# background (the page shows its progress); smaller ones within the request.
+RECALL_BACKGROUND_INTAKE_BYTES = env.int(
+    "RECALL_BACKGROUND_INTAKE_BYTES", default=1024 * 1024
+)
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 # URL schemes a source may have (plain paths, absolute or relative, are always
@@ -292,7 +297,8 @@ if RECALL_RETRY_BACKOFF_SECONDS < 0:
 # use Redis instead. catch_up is off: a missed sweep is not worth replaying.
 Q_CLUSTER = {
     "name": "recall",
-    "workers": env.int("RECALL_Q_WORKERS", default=1),
+    # Two: a minute-long background intake never delays the minute's sweep.
+    "workers": env.int("RECALL_Q_WORKERS", default=2),
     "timeout": 240,
     "retry": 300,
     "max_attempts": 1,
