@@ -10,6 +10,7 @@ refreshing script only swaps fragments.
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import wraps
@@ -594,16 +595,74 @@ EXPORTS = {
 }
 
 
+class ExportSlots:
+    """How many exports this process streams at once: at most
+    RECALL_EXPORTS_PER_PROCESS, so its other threads stay free for the worker
+    API whatever operators export (a million items stream for about a minute)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.in_use = 0
+
+    def take(self) -> bool:
+        limit = settings.RECALL_EXPORTS_PER_PROCESS
+        with self._lock:
+            if limit and self.in_use >= limit:
+                return False
+            self.in_use += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.in_use -= 1
+
+
+EXPORT_SLOTS = ExportSlots()
+
+
+class _Streaming:
+    """An export's chunks; its slot is given back once, when the response is
+    closed (the server closes it at the end, and when the client goes away)."""
+
+    def __init__(self, chunks, slots: ExportSlots):
+        self.chunks, self.slots, self.open = chunks, slots, True
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            close = getattr(self.chunks, "close", None)
+            if close is not None:
+                close()
+            self.slots.give_back()
+
+
 @require_GET
 @login_required
 @permission_required("batches.export_batch", raise_exception=True)
-def batch_export(request: HttpRequest, pk: int, fmt: str) -> StreamingHttpResponse:
+def batch_export(request: HttpRequest, pk: int, fmt: str) -> HttpResponse:
     if fmt not in EXPORTS:
         raise Http404("No such export format.")
     batch = get_object_or_404(Batch, pk=pk)
     content_type, generate = EXPORTS[fmt]
     name = f"batch-{batch.pk}-{'transcripts' if fmt == 'zip' else 'items'}.{fmt}"
-    response = StreamingHttpResponse(generate(batch), content_type=content_type)
+    if not EXPORT_SLOTS.take():
+        response = render(
+            request,
+            "batches/export_busy.html",
+            {"batch": batch, "limit": settings.RECALL_EXPORTS_PER_PROCESS},
+            status=503,
+        )
+        response["Retry-After"] = "30"
+        return response
+    try:
+        chunks = _Streaming(generate(batch), EXPORT_SLOTS)
+    except BaseException:
+        EXPORT_SLOTS.give_back()
+        raise
+    response = StreamingHttpResponse(chunks, content_type=content_type)
     response["Content-Disposition"] = f'attachment; filename="{name}"'
     response["Cache-Control"] = "no-store"
     return response

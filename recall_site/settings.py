@@ -112,11 +112,28 @@ DEFAULT_SQLITE_URL = f"sqlite:///{VAR_DIR / 'recall.sqlite3'}"
 DATABASES = {"default": env.db_url("DATABASE_URL", default=DEFAULT_SQLITE_URL)}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# gunicorn's threads share a pool of connections per process (gunicorn.conf.py
+# turns it on), instead of each holding a persistent one: a thread borrows a
+# connection for a request and gives it back. Commands and the django-q2
+# cluster (which forks, and must not share a pool's sockets with its children)
+# keep one persistent connection each.
+RECALL_WEB_THREADS = env.int("RECALL_WEB_THREADS", default=1)
+RECALL_DB_POOL = env.bool("RECALL_DB_POOL", default=False)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    connect_timeout = env.int("DATABASE_CONNECT_TIMEOUT", default=5)
     # Fail fast while the server is down: requests answer 503 instead of hanging.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
-        "connect_timeout", env.int("DATABASE_CONNECT_TIMEOUT", default=5)
+        "connect_timeout", connect_timeout
     )
+    if RECALL_DB_POOL:
+        DATABASES["default"]["OPTIONS"]["pool"] = {
+            "min_size": env.int("RECALL_DB_POOL_MIN", default=2),
+            # One per thread: a request never waits for a connection.
+            "max_size": env.int("RECALL_DB_POOL_MAX", default=RECALL_WEB_THREADS),
+            # Waiting longer for a free one than for a new one makes no sense.
+            "timeout": connect_timeout,
+        }
+        DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps them instead
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {
@@ -273,6 +290,13 @@ RECALL_MAX_MANIFEST_BYTES = env.int(
 # background (the page shows its progress); smaller ones within the request.
 RECALL_BACKGROUND_INTAKE_BYTES = env.int(
     "RECALL_BACKGROUND_INTAKE_BYTES", default=1024 * 1024
+)
+# Exports one web process streams at once (0: no limit); a further one gets a
+# 503 "try again" page. Under gunicorn's threads, two of each process always stay
+# free for the worker API; a sync or single-threaded process has nothing to keep.
+RECALL_EXPORTS_PER_PROCESS = env.int(
+    "RECALL_EXPORTS_PER_PROCESS",
+    default=RECALL_WEB_THREADS - 2 if RECALL_WEB_THREADS > 2 else 0,
 )
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)

@@ -1,5 +1,6 @@
 """Production settings: `check --deploy` is clean, and nothing insecure is defaulted."""
 
+import json
 import os
 import subprocess
 import sys
@@ -96,3 +97,68 @@ def test_the_key_file_is_not_used_with_another_database(tmp_path):
 
     assert result.returncode != 0
     assert "Set SECRET_KEY in the environment" in result.stderr
+
+
+SHOW_DATABASE = (
+    "import json; from django.conf import settings; d = settings.DATABASES['default']; "
+    "print(json.dumps({'pool': d['OPTIONS'].get('pool'), 'age': d['CONN_MAX_AGE']}))"
+)
+
+
+def database_settings(**env: str) -> dict:
+    result = manage("shell", "-v", "0", "-c", SHOW_DATABASE, env={**PRODUCTION, **env})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_the_web_servers_pool_has_a_connection_per_thread():
+    # What gunicorn.conf.py sets for its workers: RECALL_DB_POOL=on and the
+    # thread count. CONN_MAX_AGE must be 0 with a pool (the pool keeps them).
+    pooled = database_settings(
+        DATABASE_URL="postgres://recall@db.example.com/recall",
+        RECALL_DB_POOL="on",
+        RECALL_WEB_THREADS="8",
+        CONN_MAX_AGE="600",
+    )
+
+    assert pooled == {"pool": {"min_size": 2, "max_size": 8, "timeout": 5}, "age": 0}
+
+
+def test_commands_and_the_cluster_keep_a_persistent_connection():
+    plain = database_settings(DATABASE_URL="postgres://recall@db.example.com/recall")
+
+    assert plain == {"pool": None, "age": 60}
+
+
+def test_sqlite_never_gets_a_pool():
+    sqlite = database_settings(RECALL_DB_POOL="on", RECALL_WEB_THREADS="8")
+
+    assert sqlite == {"pool": None, "age": 60}
+
+
+def test_gunicorn_runs_threads_and_turns_the_pool_on():
+    show = (
+        "import json, os, runpy; c = runpy.run_path('gunicorn.conf.py'); "
+        "print(json.dumps([c['worker_class'], c['workers'], c['threads'], "
+        "os.environ['RECALL_DB_POOL'], os.environ['RECALL_WEB_THREADS']]))"
+    )
+
+    def config(**env: str) -> list:
+        result = subprocess.run(
+            [sys.executable, "-c", show], cwd=ROOT, env={**PRODUCTION, **env},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    cores = os.cpu_count() or 1
+    threaded = "recall_site.gunicorn_worker.ThreadWorker"
+    assert config() == [threaded, cores + 1, 8, "on", "8"]
+    assert config(WEB_CONCURRENCY="3", RECALL_WEB_THREADS="4") == [
+        threaded,
+        3,
+        4,
+        "on",
+        "4",
+    ]
+    assert config(RECALL_WEB_THREADS="1") == ["sync", cores + 1, 1, "off", "1"]

@@ -145,3 +145,29 @@ def test_srt_leaves_out_unusable_segments():
     assert srt([{"start": 0, "end": 1e7, "text": " long "}]) == (
         "1\n00:00:00,000 --> 2777:46:40,000\nlong\n"
     )
+
+
+def test_exports_beyond_the_per_process_limit_get_a_503_until_one_ends(
+    settings, worker
+):
+    from batches.views import EXPORT_SLOTS
+
+    settings.RECALL_EXPORTS_PER_PROCESS = 2
+    batch = make_batch(3)
+    client = Client()
+    client.force_login(make_user("exporter", "Operators"))
+    path = f"/batches/{batch.pk}/export.csv"
+
+    first, second = client.get(path), client.get(path)  # streaming, still open
+    busy = client.get(path)
+    b"".join(first.streaming_content)  # the first one ends: its slot is free
+    third = client.get(path)
+
+    assert (first.status_code, second.status_code, third.status_code) == (200, 200, 200)
+    assert busy.status_code == 503
+    assert busy["Retry-After"] == "30"
+    assert "This server is already streaming 2 exports" in busy.content.decode()
+    assert EXPORT_SLOTS.in_use == 2
+    second.close()
+    third.close()
+    assert EXPORT_SLOTS.in_use == 0
