@@ -760,6 +760,7 @@ def exports_vs_heartbeats(bench: Bench) -> None:
     ).count()
     statuses = ", ".join(f"{k}: {v}" for k, v in sorted(beats["statuses"].items()))
     ok = [e for e in exports if e["status"] == 200 and e["bytes"]]
+    refused = ", ".join(str(e["status"]) for e in exports if e not in ok)
     server_model = os.environ.get("RECALL_WEB_THREADS", "8")
     label = (
         f"{sizes.exports} CSV exports of {sizes.finished:,} items, "
@@ -770,7 +771,8 @@ def exports_vs_heartbeats(bench: Bench) -> None:
         "exports vs workers",
         f"{label}: exports done / time",
         f"{len(ok)}/{len(exports)} in {took:.0f} s "
-        f"({statistics.median(e['bytes'] for e in exports) / 1e6:.0f} MB each)",
+        f"({statistics.median(e['bytes'] for e in exports) / 1e6:.0f} MB each)"
+        + (f", others: {refused}" if refused else ""),
         f"all {sizes.exports}",
         len(ok) == len(exports),
     )

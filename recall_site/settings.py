@@ -292,12 +292,11 @@ RECALL_BACKGROUND_INTAKE_BYTES = env.int(
     "RECALL_BACKGROUND_INTAKE_BYTES", default=1024 * 1024
 )
 # Exports one web process streams at once (0: no limit); a further one gets a
-# 503 "try again" page. Under gunicorn's threads, two of each process always stay
-# free for the worker API; a sync or single-threaded process has nothing to keep.
-RECALL_EXPORTS_PER_PROCESS = env.int(
-    "RECALL_EXPORTS_PER_PROCESS",
-    default=RECALL_WEB_THREADS - 2 if RECALL_WEB_THREADS > 2 else 0,
-)
+# 503 "try again" page. A process that listens only while it has a free thread
+# (gunicorn.conf.py) already sends heartbeats past busy processes; this limit
+# also keeps threads free when every process is busy, at the price of refusing
+# an export that lands on a process already streaming that many.
+RECALL_EXPORTS_PER_PROCESS = env.int("RECALL_EXPORTS_PER_PROCESS", default=0)
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 # URL schemes a source may have (plain paths, absolute or relative, are always
