@@ -27,6 +27,7 @@ from .pgserver import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PROCESSES, THREADS = 2, 4
+APPLICATION = "recall-server-test"
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -38,9 +39,10 @@ def start_server(tmp_path, processes: int, threads: int, *args: str):
     env = {
         "PATH": os.environ["PATH"],
         "SECRET_KEY": os.environ["SECRET_KEY"],
+        # Named, to tell its connections from any other (a live server's).
         "DATABASE_URL": (
             f"postgres://{s['USER'] or 'root'}@{s['HOST'] or '127.0.0.1'}:"
-            f"{s['PORT'] or 5432}/{s['NAME']}"
+            f"{s['PORT'] or 5432}/{s['NAME']}?application_name={APPLICATION}"
         ),
         "RECALL_HTTPS": "off",
         "RECALL_BIND": f"127.0.0.1:{port}",
@@ -82,11 +84,12 @@ def server(tmp_path):
 
 
 def backends() -> int:
-    """Connections to the test database other than this test's own."""
+    """The server's connections to the test database."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            "WHERE datname = current_database() AND application_name = %s",
+            [APPLICATION],
         )
         return cursor.fetchone()[0]
 
