@@ -3,17 +3,34 @@
 Every value can be overridden from the environment (see the README). Before the
 first worker starts, the master runs a start-up sweep: expired leases are
 reclaimed and the records reconciled, so a restart after a crash heals first.
+
+Threads, not processes, carry the requests (the ``gthread`` worker): a request
+that takes long, an export of a million items streaming for a minute or a
+background intake's upload, holds one thread of one process while the other
+threads go on answering the worker API. With sync workers it held a whole
+process, and a handful of operators exporting at once held them all: heartbeats
+queued behind the exports and healthy leases expired. Each thread keeps its
+own persistent database connection (settings.py).
 """
 
 import os
 
 wsgi_app = "recall_site.wsgi:application"
 bind = os.environ.get("RECALL_BIND", "127.0.0.1:8000")
-# gunicorn's documented starting point, 2 x cores + 1: sync workers each wait on
-# the database for part of every request (see BENCHMARKS.md).
-workers = int(os.environ.get("WEB_CONCURRENCY", str(2 * (os.cpu_count() or 1) + 1)))
-threads = int(os.environ.get("RECALL_WEB_THREADS", "1"))
-worker_class = "gthread" if threads > 1 else "sync"
+# Processes x threads. Python runs one thread at a time per process, so the
+# processes use the cores (cores + 1: one more keeps the cores busy while a
+# process waits on the database); the threads are there to wait: on
+# PostgreSQL, on a slow client, on an export's next chunk. 8 threads per
+# process keep the worker API's throughput (BENCHMARKS.md, HTTP row) and leave
+# room for several long exports per process. RECALL_WEB_THREADS=1 runs the old
+# sync workers.
+workers = int(os.environ.get("WEB_CONCURRENCY", str((os.cpu_count() or 1) + 1)))
+threads = int(os.environ.get("RECALL_WEB_THREADS", "8"))
+# gunicorn's gthread worker, listening only while a thread is free (see
+# recall_site/gunicorn_worker.py): a heartbeat never queues behind an export in
+# a process whose threads are all busy while another process has one free.
+worker_class = "recall_site.gunicorn_worker.ThreadWorker" if threads > 1 else "sync"
+os.environ["RECALL_WEB_THREADS"] = str(threads)
 timeout = 60
 graceful_timeout = 30
 keepalive = 5
@@ -46,4 +63,5 @@ def on_starting(server):
         # that has not run.
         server.log.exception("start-up sweep failed")
     finally:
-        connections.close_all()  # never share a connection with forked workers
+        # Never share a connection with forked workers: each opens its own.
+        connections.close_all()

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from django.db.models.fields.json import KeyTextTransform
 
@@ -18,6 +20,8 @@ from .models import Batch, BatchItem, ItemStatus
 from .zipstream import stream_zip
 
 CHUNK = 2_000
+# The worker API's bound on segment times (jobs.api): about 115 days.
+MAX_SEGMENT_SECONDS = 10_000_000
 EXPORT_FIELDS = ("item", "source", "state", "attempts", "text", "error")
 
 
@@ -57,11 +61,37 @@ class _Line:
         return value
 
 
-def csv_lines(batch: Batch) -> Iterator[str]:
+# A cell starting with one of these is a formula to Excel and LibreOffice
+# (``=HYPERLINK(...)`` can leak data): OWASP's advice is a leading apostrophe.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(value: object) -> object:
+    """A CSV cell a spreadsheet shows as text, never runs: strings that would
+    start a formula get a leading ``'``; numbers and other strings are unchanged."""
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
+def csv_writer() -> Callable[[Iterable[object]], str]:
+    """``write(row)`` returns one CSV line; every cell is spreadsheet-safe.
+
+    Every CSV Recall writes goes through this, so no cell can become a formula.
+    """
     writer = csv.writer(_Line())
-    yield writer.writerow(EXPORT_FIELDS)
+
+    def write(row: Iterable[object]) -> str:
+        return writer.writerow([spreadsheet_safe(cell) for cell in row])
+
+    return write
+
+
+def csv_lines(batch: Batch) -> Iterator[str]:
+    write = csv_writer()
+    yield write(EXPORT_FIELDS)
     for row in export_rows(batch):
-        yield writer.writerow(
+        yield write(
             (row.item, row.source, row.state, row.attempts, row.text, row.error)
         )
 
@@ -100,9 +130,13 @@ def _transcript_files(batch: Batch) -> Iterator[tuple[str, bytes]]:
         for pk, source, result in chunk:
             result = result or {}
             stem = f"{pk:08d}-{_safe_stem(source)}"
-            yield f"{stem}.txt", (result.get("text", "") + "\n").encode()
-            if segments := result.get("segments"):
-                yield f"{stem}.srt", srt(segments).encode()
+            # Stored results are read as they are: rows written before the API
+            # checked them as closely may hold anything JSON can.
+            result = result if isinstance(result, dict) else {}
+            text = result.get("text")
+            yield f"{stem}.txt", (_text(text) + "\n").encode()
+            if subtitles := srt(result.get("segments")):
+                yield f"{stem}.srt", subtitles.encode()
         if len(chunk) < CHUNK:
             return
         last = chunk[-1][0]
@@ -114,14 +148,41 @@ def _safe_stem(source: str) -> str:
     return (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "item")[:80]
 
 
-def srt(segments: list[dict]) -> str:
-    """SubRip subtitles from timed segments ({"start", "end", "text"} in seconds)."""
-    blocks = []
-    for n, segment in enumerate(segments, 1):
-        text = str(segment.get("text", "")).strip()
-        start, end = _srt_time(segment["start"]), _srt_time(segment["end"])
-        blocks.append(f"{n}\n{start} --> {end}\n{text}\n")
+def srt(segments: object) -> str:
+    """SubRip subtitles from timed segments ({"start", "end", "text"} in seconds).
+
+    Never raises: a segment without usable times (not a number, not finite, out
+    of 0 <= start <= end <= MAX_SEGMENT_SECONDS) is left out, and no usable
+    segment at all gives "" (no .srt).
+    """
+    if not isinstance(segments, list):
+        return ""
+    blocks: list[str] = []
+    for segment in segments:
+        if not isinstance(segment, dict):
+            continue
+        start, end = segment.get("start"), segment.get("end")
+        if not (_seconds(start) and _seconds(end) and start <= end):
+            continue
+        text = _text(segment.get("text")).strip()
+        n = len(blocks) + 1
+        blocks.append(f"{n}\n{_srt_time(start)} --> {_srt_time(end)}\n{text}\n")
     return "\n".join(blocks)
+
+
+def _seconds(value: object) -> TypeGuard[int | float]:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_SEGMENT_SECONDS
+    )
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _srt_time(seconds: float) -> str:

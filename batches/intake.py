@@ -16,6 +16,8 @@ from __future__ import annotations
 import codecs
 import csv
 import math
+import re
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -208,13 +210,55 @@ def _drain(errors: list[LineError]) -> Iterator[LineError]:
 
 
 def _source_problem(source: str) -> str | None:
+    """Why ``source`` cannot be handed to an engine, or None.
+
+    Sources end up on engines' command lines and in logs and pages: control
+    and format characters (Unicode Cc and Cf: bidi overrides spoof what an
+    operator reads) and a leading ``-`` (an engine would take it for an option)
+    are refused, and so is any URL scheme not in RECALL_SOURCE_SCHEMES.
+    """
     if not source:
         return "the source is empty"
     if len(source) > MAX_SOURCE_CHARS:
         return f"the source is longer than {MAX_SOURCE_CHARS} characters"
-    if any(ord(c) < 32 or ord(c) == 127 for c in source):
-        return "the source contains a control character"
+    for char in source:
+        category = unicodedata.category(char)
+        if category == "Cc":
+            return "the source contains a control character"
+        if category == "Cf":
+            return (
+                f"the source contains an invisible formatting character "
+                f"(U+{ord(char):04X}; bidirectional overrides and zero-width "
+                f"characters hide what a source really is)"
+            )
+    if source.startswith("-"):
+        return (
+            "the source starts with '-', which an engine would read as an option "
+            "(write ./-name for a file whose name starts with '-')"
+        )
+    scheme = source_scheme(source)
+    allowed = settings.RECALL_SOURCE_SCHEMES
+    if scheme is not None and scheme not in allowed:
+        return (
+            f"the scheme {scheme + ':'!r} is not allowed; use a plain path or one "
+            f"of {', '.join(s + ':' for s in allowed)} (RECALL_SOURCE_SCHEMES)"
+        )
     return None
+
+
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def source_scheme(source: str) -> str | None:
+    """The URL scheme of ``source`` in lower case, or None for a plain path.
+
+    A single letter before the colon is a Windows drive (``C:\\audio``), not a
+    scheme.
+    """
+    match = _SCHEME.match(source)
+    if match is None or len(match.group(1)) == 1:
+        return None
+    return match.group(1).lower()
 
 
 def _duration(text: str) -> tuple[int | None, str | None]:
@@ -282,13 +326,16 @@ def create_batch(
     max_in_flight: int | None = None,
     created_by=None,
     now=None,
+    on_created: Callable[[Batch], None] | None = None,
 ) -> Batch:
     """Validate the manifest, then create the batch, items, jobs and counters.
 
     ``open_manifest`` returns a fresh iterable of the manifest's lines each time
     it is called (the manifest is read twice). Raises ManifestInvalid, having
     created nothing, if any line is wrong. Everything is written in one
-    transaction: a batch is never visible half-created.
+    transaction: a batch is never visible half-created. ``on_created(batch)``
+    runs last inside that transaction, so what a caller records about the new
+    batch (a background intake's outcome) commits with it or not at all.
     """
     name = check_name(name)
     items, errors, total_errors = validate_manifest(open_manifest())
@@ -302,6 +349,7 @@ def create_batch(
         max_in_flight=max_in_flight,
         created_by=created_by,
         now=now,
+        on_created=on_created,
     )
 
 

@@ -164,6 +164,17 @@ class Progress:
         )
         return [(s, self.counts[s], percent(self.counts[s], self.total)) for s in order]
 
+    @property
+    def bar(self) -> list[dict]:
+        """The non-empty segments with where each starts (x) and how wide it is,
+        in percent of the bar: geometry for an SVG, which needs no inline style."""
+        x, bar = 0.0, []
+        for status, count, pct in self.segments:
+            if count:
+                bar.append({"status": status, "count": count, "x": x, "width": pct})
+                x += pct
+        return bar
+
     def as_json(self) -> dict:
         return {
             "batch": self.batch.pk,

@@ -6,6 +6,7 @@ urlpatterns = [
     path("", views.batch_list, name="batch-list"),
     path("batches/live", views.batch_list_live, name="batch-list-live"),
     path("batches/new/", views.batch_new, name="batch-new"),
+    path("intakes/<int:pk>/", views.intake_detail, name="intake-detail"),
     path("batches/<int:pk>/", views.batch_detail, name="batch-detail"),
     path("batches/<int:pk>/live", views.batch_live, name="batch-live"),
     path(

@@ -10,6 +10,7 @@ refreshing script only swaps fragments.
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,6 +30,7 @@ from django.http import (
     JsonResponse,
     StreamingHttpResponse,
 )
+from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.template.defaultfilters import filesizeformat
 from django.urls import reverse
@@ -39,11 +41,14 @@ from jobs import transitions
 from jobs.models import Job, JobStatus
 
 from . import exports
+from .background import stale_after, start_intake
 from .forms import ItemFilterForm, NewBatchForm, ShareForm
-from .intake import ManifestInvalid, create_batch
+from .intake import LineError, ManifestInvalid, create_batch
+from .intakes import Intake, IntakeStatus
 from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from .progress import BatchState, format_duration, progress_for, progress_for_many
 from .roles import viewer_required
+from .uploads import ManifestSizeLimit, ManifestTooLarge
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
@@ -356,6 +361,8 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @permission_required("batches.add_batch", raise_exception=True)
 @csrf_exempt  # checked inside, where an oversized body can get a clear answer
 def batch_new(request: HttpRequest) -> HttpResponse:
+    # Before anything reads the body: the size limit applies while it arrives.
+    request.upload_handlers.insert(0, ManifestSizeLimit(request))
     try:
         return _batch_new(request)
     except RequestDataTooBig:
@@ -366,6 +373,18 @@ def batch_new(request: HttpRequest) -> HttpResponse:
             NewBatchForm(),
             top_errors=[
                 f"The pasted text is larger than {limit}; upload it as a file instead."
+            ],
+            status=413,
+        )
+    except ManifestTooLarge as too_large:
+        # Reading stopped at the limit: the rest of the file was never stored.
+        return _new_form(
+            request,
+            NewBatchForm(),
+            top_errors=[
+                f"The file is larger than {filesizeformat(too_large.limit)}, the "
+                f"limit; Recall stopped reading it and created nothing. Split it "
+                f"into several batches, or use the create_batch command."
             ],
             status=413,
         )
@@ -380,7 +399,19 @@ def _batch_new(request: HttpRequest) -> HttpResponse:
     form = NewBatchForm(request.POST, request.FILES)
     if not form.is_valid():
         return _new_form(request, form, status=400)
+    upload = form.cleaned_data.get("manifest")
     try:
+        if upload and upload.size > settings.RECALL_BACKGROUND_INTAKE_BYTES:
+            # Too long for a web request: the cluster takes it from here.
+            intake = start_intake(
+                form.cleaned_data["name"],
+                upload,
+                priority=form.cleaned_data["priority"],
+                weight=form.cleaned_data["weight"],
+                max_in_flight=form.cleaned_data["max_in_flight"],
+                created_by=request.user,
+            )
+            return redirect("intake-detail", pk=intake.pk)
         batch = create_batch(
             form.cleaned_data["name"],
             _opener(form.cleaned_data),
@@ -403,6 +434,35 @@ def _batch_new(request: HttpRequest) -> HttpResponse:
         )
     messages.success(request, f"Created batch “{batch.name}” with {batch.total} items.")
     return redirect("batch-detail", pk=batch.pk)
+
+
+@require_GET
+@viewer_required
+def intake_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """A background intake: its progress, then its batch (or what was wrong)."""
+    intake = get_object_or_404(Intake.objects.select_related("batch"), pk=pk)
+    if intake.status == IntakeStatus.DONE and intake.batch is not None:
+        return redirect("batch-detail", pk=intake.batch.pk)
+    now = transitions.now()
+    waiting = intake.status in (IntakeStatus.QUEUED, IntakeStatus.RUNNING)
+    quiet = now - intake.updated_at
+    response = render(
+        request,
+        "batches/intake.html",
+        {
+            "intake": intake,
+            "waiting": waiting,
+            "interrupted": waiting and quiet > stale_after(),
+            "no_cluster": intake.status == IntakeStatus.QUEUED
+            and quiet > timedelta(seconds=30),
+            "elapsed": format_duration((now - intake.created_at).total_seconds()),
+            "line_errors": [LineError(e["line"], e["message"]) for e in intake.errors],
+            "more_errors": intake.total_errors - len(intake.errors),
+            "nav": "new",
+        },
+    )
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 def _new_form(
@@ -555,16 +615,75 @@ EXPORTS = {
 }
 
 
+class ExportSlots:
+    """How many exports this process streams at once: at most
+    RECALL_EXPORTS_PER_PROCESS, so its other threads stay free for the worker
+    API whatever operators export (a million items stream for about a minute)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.in_use = 0
+
+    def take(self) -> bool:
+        limit = settings.RECALL_EXPORTS_PER_PROCESS
+        with self._lock:
+            if limit and self.in_use >= limit:
+                return False
+            self.in_use += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.in_use -= 1
+
+
+EXPORT_SLOTS = ExportSlots()
+
+
+class _Streaming:
+    """An export's chunks; its slot is given back once, when the response is
+    closed (the server closes it at the end, and when the client goes away)."""
+
+    def __init__(self, chunks, slots: ExportSlots):
+        self.chunks, self.slots, self.open = chunks, slots, True
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            close = getattr(self.chunks, "close", None)
+            if close is not None:
+                close()
+            self.slots.give_back()
+
+
 @require_GET
 @login_required
 @permission_required("batches.export_batch", raise_exception=True)
-def batch_export(request: HttpRequest, pk: int, fmt: str) -> StreamingHttpResponse:
+def batch_export(request: HttpRequest, pk: int, fmt: str) -> HttpResponseBase:
     if fmt not in EXPORTS:
         raise Http404("No such export format.")
     batch = get_object_or_404(Batch, pk=pk)
     content_type, generate = EXPORTS[fmt]
     name = f"batch-{batch.pk}-{'transcripts' if fmt == 'zip' else 'items'}.{fmt}"
-    response = StreamingHttpResponse(generate(batch), content_type=content_type)
+    response: HttpResponseBase
+    if not EXPORT_SLOTS.take():
+        response = render(
+            request,
+            "batches/export_busy.html",
+            {"batch": batch, "limit": settings.RECALL_EXPORTS_PER_PROCESS},
+            status=503,
+        )
+        response["Retry-After"] = "30"
+        return response
+    try:
+        chunks = _Streaming(generate(batch), EXPORT_SLOTS)
+    except BaseException:
+        EXPORT_SLOTS.give_back()
+        raise
+    response = StreamingHttpResponse(chunks, content_type=content_type)
     response["Content-Disposition"] = f'attachment; filename="{name}"'
     response["Cache-Control"] = "no-store"
     return response

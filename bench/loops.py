@@ -320,3 +320,114 @@ def idle_claim(args: dict, started) -> dict:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+# --- 11. Exports while workers heartbeat ---------------------------------------------
+
+
+@loop
+def heartbeaters(args: dict, started) -> dict:
+    """``len(tokens)`` workers, one thread each: claim a job over HTTP, then
+    heartbeat it every ``interval`` seconds until the deadline or ``done``.
+
+    Reports every heartbeat's latency (a timeout counts as its full time), the
+    statuses, and per worker the longest time between two accepted heartbeats
+    (past the lease length, the lease could have expired)."""
+    if started is None:
+        return {}
+    _, deadline = started
+    done, interval, timeout = args["done"], args["interval"], args["timeout"]
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    gaps: list[float] = []
+    lock = threading.Lock()
+
+    def worker(token: str) -> None:
+        headers = {
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/json",
+        }
+
+        def post(path: str, body: dict) -> tuple[int | str, bytes, float]:
+            connection = http.client.HTTPConnection(
+                args["host"], args["port"], timeout=timeout
+            )
+            t0 = time.perf_counter()
+            try:
+                connection.request("POST", path, json.dumps(body), headers)
+                response = connection.getresponse()
+                return response.status, response.read(), time.perf_counter() - t0
+            except (OSError, http.client.HTTPException) as error:
+                return type(error).__name__, b"", time.perf_counter() - t0
+            finally:
+                connection.close()
+
+        status, data, _ = post("/api/v1/claim", {})
+        if status != 200:
+            with lock:
+                statuses[f"claim {status}"] = statuses.get(f"claim {status}", 0) + 1
+            return
+        job = json.loads(data)["job"]
+        last_ok, longest = time.monotonic(), 0.0
+        while time.time() < deadline and not done.is_set():
+            status, _, took = post(
+                f"/api/v1/jobs/{job['id']}/heartbeat",
+                {"lease_token": job["lease_token"]},
+            )
+            now = time.monotonic()
+            if status == 200:
+                longest, last_ok = max(longest, now - last_ok), now
+            with lock:
+                latencies.append(took)
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
+            done.wait(max(0.0, interval - took))
+        with lock:
+            gaps.append(max(longest, time.monotonic() - last_ok))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in args["tokens"]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"latencies": latencies, "statuses": statuses, "gaps": gaps}
+
+
+@loop
+def export_clients(args: dict, started) -> dict:
+    """``exports`` operators downloading the same CSV export at once, each to
+    the end; then ``done`` is set. Reports each one's time, size and status."""
+    if started is None:
+        return {}
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def download() -> None:
+        connection = http.client.HTTPConnection(args["host"], args["port"], timeout=600)
+        t0 = time.perf_counter()
+        size, status = 0, "?"
+        try:
+            connection.request(
+                "GET",
+                f"/batches/{args['batch']}/export.csv",
+                headers={"Cookie": f"sessionid={args['session']}"},
+            )
+            response = connection.getresponse()
+            status = response.status
+            while chunk := response.read(1 << 16):
+                size += len(chunk)
+        except (OSError, http.client.HTTPException) as error:
+            status = type(error).__name__
+        finally:
+            connection.close()
+        with lock:
+            results.append(
+                {"status": status, "bytes": size, "seconds": time.perf_counter() - t0}
+            )
+
+    threads = [threading.Thread(target=download) for _ in range(args["exports"])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    args["done"].set()
+    return {"exports": results}

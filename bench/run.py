@@ -46,6 +46,9 @@ class Sizes:
     share_batches: tuple[int, ...] = (1, 100, 1_000)
     share_jobs: int = 100_000
     share_seconds: float = 10.0
+    exports: int = 10
+    heartbeaters: int = 32
+    heartbeat_interval: float = 1.0
 
     @classmethod
     def quick(cls, processes: int) -> Sizes:
@@ -67,6 +70,9 @@ class Sizes:
             share_batches=(1, 3, 6),
             share_jobs=600,
             share_seconds=0.5,
+            exports=2,
+            heartbeaters=4,
+            heartbeat_interval=0.2,
         )
 
 
@@ -141,18 +147,21 @@ def _setup_django(database_url: str) -> None:
     call_command("collectstatic", verbosity=0, interactive=False)
 
 
-def _start_gunicorn(bench: Bench) -> None:
+def _launch_gunicorn(**extra: str) -> tuple[subprocess.Popen, int]:
+    """The production configuration (gunicorn.conf.py, README) on a free port;
+    ``extra`` environment on top (WEB_CONCURRENCY, RECALL_WEB_THREADS ... set in
+    the environment of `make bench` reach it too)."""
     from tests.pgserver import free_port
 
-    bench.server_port = free_port()
-    # The production configuration (gunicorn.conf.py, README), on another port.
+    port = free_port()
     env = {
         **os.environ,
-        "RECALL_BIND": f"127.0.0.1:{bench.server_port}",
+        "RECALL_BIND": f"127.0.0.1:{port}",
         "RECALL_STARTUP_SWEEP": "quick",
+        **extra,
     }
     log = open(Path(tempfile.gettempdir()) / "recall-bench-gunicorn.log", "ab")  # noqa: SIM115
-    bench.server = subprocess.Popen(
+    server = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
         cwd=ROOT,
         env=env,
@@ -165,21 +174,31 @@ def _start_gunicorn(bench: Bench) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
-            connection = http.client.HTTPConnection("127.0.0.1", bench.server_port)
+            connection = http.client.HTTPConnection("127.0.0.1", port)
             connection.request("GET", "/healthz")
             if connection.getresponse().status == 200:
-                return
+                return server, port
         time.sleep(0.2)
+    _terminate(server)
     raise RuntimeError("gunicorn did not start (see recall-bench-gunicorn.log)")
+
+
+def _terminate(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def _start_gunicorn(bench: Bench) -> None:
+    bench.server, bench.server_port = _launch_gunicorn()
 
 
 def _stop_gunicorn(bench: Bench) -> None:
     if bench.server is not None:
-        bench.server.terminate()
-        try:
-            bench.server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            bench.server.kill()
+        _terminate(bench.server)
         bench.server = None
 
 
@@ -347,7 +366,8 @@ def idle(bench: Bench) -> None:
 
     seed.reset()
     now = utcnow()
-    holder, _ = _workers(1)[0]
+    # Not one of the claiming workers: it holds far more than their lease cap.
+    holder, _ = _workers_named("bench-holder", 1)[0]
     big = seed.batch(
         "bench-million",
         now=now - timedelta(minutes=5),
@@ -703,6 +723,138 @@ def fair_share(bench: Bench) -> None:
         )
 
 
+def exports_vs_heartbeats(bench: Bench) -> None:
+    """12: operators exporting a million items at once while workers heartbeat."""
+    import multiprocessing
+
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from bench import loops, seed
+    from bench.loops import utcnow
+    from jobs.models import Job, JobStatus, Lease, LeaseEnd
+
+    sizes = bench.sizes
+    lease_seconds = 15  # the demo's; heartbeats come every `interval` meanwhile
+    seed.reset()
+    now = utcnow()
+    big = seed.batch("bench-export", now=now, completed=sizes.finished)
+    side = seed.batch("bench-heartbeat", now=now, queued=sizes.heartbeaters)
+    tokens = [t for _, t in _workers_named("bench-hb", sizes.heartbeaters)]
+    User = get_user_model()
+    user = User.objects.filter(username="bench").first() or User.objects.create_user(
+        "bench", is_staff=True, is_superuser=True
+    )
+    client = Client(HTTP_HOST="127.0.0.1")
+    client.force_login(user)
+    session = client.cookies["sessionid"].value
+    server, port = _launch_gunicorn(RECALL_LEASE_SECONDS=str(lease_seconds))
+    done = multiprocessing.get_context("spawn").Event()
+    cap = 1800.0  # the exports end it well before
+    outcome: dict[str, list[dict]] = {}
+    try:
+        beating = threading.Thread(
+            target=lambda: outcome.update(
+                beats=loops.run(
+                    "heartbeaters",
+                    [
+                        {
+                            "host": "127.0.0.1",
+                            "port": port,
+                            "tokens": tokens,
+                            "interval": sizes.heartbeat_interval,
+                            "timeout": 30.0,
+                            "done": done,
+                        }
+                    ],
+                    duration=cap,
+                )
+            )
+        )
+        beating.start()
+        # The workers hold their leases before the operators start exporting.
+        deadline = time.monotonic() + 120
+        while Job.objects.filter(batch=side, status=JobStatus.LEASED).count() < len(
+            tokens
+        ):
+            if time.monotonic() > deadline or not beating.is_alive():
+                raise RuntimeError("the heartbeating workers did not claim their jobs")
+            time.sleep(0.1)
+        started = time.perf_counter()
+        outcome["exports"] = loops.run(
+            "export_clients",
+            [
+                {
+                    "host": "127.0.0.1",
+                    "port": port,
+                    "batch": big.pk,
+                    "session": session,
+                    "exports": sizes.exports,
+                    "done": done,
+                }
+            ],
+            duration=cap,
+        )
+        took = time.perf_counter() - started
+        beating.join()
+        still_live = Job.objects.filter(
+            batch=side, status=JobStatus.LEASED, lease_expires_at__gt=utcnow()
+        ).count()
+    finally:
+        done.set()
+        _terminate(server)
+    exports = outcome["exports"][0]["exports"]
+    beats = outcome["beats"][0]
+    latencies = beats["latencies"]
+    lapsed = sum(1 for gap in beats["gaps"] if gap >= lease_seconds)
+    expired = lapsed + (len(tokens) - still_live)
+    expired += Lease.objects.filter(
+        job__batch=side, end_reason=LeaseEnd.EXPIRED
+    ).count()
+    statuses = ", ".join(f"{k}: {v}" for k, v in sorted(beats["statuses"].items()))
+    ok = [e for e in exports if e["status"] == 200 and e["bytes"]]
+    refused = ", ".join(str(e["status"]) for e in exports if e not in ok)
+    server_model = os.environ.get("RECALL_WEB_THREADS", "8")
+    label = (
+        f"{sizes.exports} CSV exports of {sizes.finished:,} items, "
+        f"{len(tokens)} workers heartbeating every {sizes.heartbeat_interval:g} s"
+    )
+    bench.add(
+        "12",
+        "exports vs workers",
+        f"{label}: exports done / time",
+        f"{len(ok)}/{len(exports)} in {took:.0f} s "
+        f"({statistics.median(e['bytes'] for e in exports) / 1e6:.0f} MB each)"
+        + (f", others: {refused}" if refused else ""),
+        f"all {sizes.exports}",
+        len(ok) == len(exports),
+    )
+    bench.add(
+        "12",
+        "exports vs workers",
+        f"heartbeat p50 / p99 / max ({len(latencies)} heartbeats; {statuses})",
+        f"{_ms(_pct(latencies, 0.5))} / {_ms(_pct(latencies, 0.99))} / "
+        f"{_ms(max(latencies))}",
+        "p99 < 1 s",
+        _pct(latencies, 0.99) < 1.0,
+    )
+    bench.add(
+        "12",
+        "exports vs workers",
+        f"leases expired ({lease_seconds} s leases; threads per process "
+        f"{server_model})",
+        str(expired),
+        "0",
+        expired == 0,
+    )
+
+
+def _workers_named(prefix: str, n: int):
+    from bench import seed
+
+    return seed.workers(n, prefix=prefix)
+
+
 SCENARIOS = {
     "1": throughput,
     "4": peers,
@@ -712,6 +864,7 @@ SCENARIOS = {
     "9": intake_export,
     "10": sustained,
     "11": fair_share,
+    "12": exports_vs_heartbeats,
 }
 # 2, 3 and 8 are measured with 1, interleaved with it.
 ALIASES = {"2": "1", "3": "1", "8": "1"}

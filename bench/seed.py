@@ -32,8 +32,11 @@ ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weig
 
 def reset() -> None:
     """Empty every batch, item, job, ledger and event row (workers stay)."""
+    from batches.intakes import Intake, IntakeChunk
+
     tables = [
-        m._meta.db_table for m in (Event, Lease, Job, BatchMinute, BatchCounter)
+        m._meta.db_table
+        for m in (Event, Lease, Job, BatchMinute, BatchCounter, IntakeChunk, Intake)
     ] + [BatchItem._meta.db_table, Batch._meta.db_table]
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {', '.join(tables)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from datetime import datetime
 from functools import wraps
@@ -30,6 +31,9 @@ from .transitions.rules import heartbeat_interval
 log = logging.getLogger("recall.api")
 
 MAX_DB_ID = 2**63 - 1
+# Segment times are seconds of audio: about 115 days is the most that makes sense
+# (and keeps every export's arithmetic far from overflowing).
+MAX_SEGMENT_SECONDS = 10_000_000
 
 
 class ApiError(Exception):
@@ -137,7 +141,7 @@ def json_object_body(request: HttpRequest) -> dict:
         raise bad_request(f"The body is not valid JSON: {error}.") from None
     if not isinstance(data, dict):
         raise bad_request(f"The body must be a JSON object, not {_json_type(data)}.")
-    _check_strings(data)
+    _check_values(data)
     return data
 
 
@@ -145,9 +149,10 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _check_strings(data: Any) -> None:
-    """Refuse NUL characters and unpaired surrogates anywhere in the document:
-    the database cannot store them."""
+def _check_values(data: Any) -> None:
+    """Refuse NUL characters, unpaired surrogates and numbers too large to be
+    finite (``1e400`` parses as infinity) anywhere in the document: the database
+    cannot store them."""
     stack = [data]
     while stack:
         value = stack.pop()
@@ -156,6 +161,8 @@ def _check_strings(data: Any) -> None:
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise bad_request("Numbers must be finite (this one overflows).")
         elif isinstance(value, str):
             if "\x00" in value:
                 raise bad_request("Strings must not contain NUL (\\u0000) characters.")
@@ -221,17 +228,22 @@ def _result(body: dict) -> dict:
                 and _is_number(segment.get("start"))
                 and _is_number(segment.get("end"))
                 and isinstance(segment.get("text"), str)
-                and 0 <= segment["start"] <= segment["end"]
+                and 0 <= segment["start"] <= segment["end"] <= MAX_SEGMENT_SECONDS
             ):
                 raise bad_request(
-                    f"result.segments[{n}] must be an object with numbers "
-                    f"0 <= 'start' <= 'end' (seconds) and a string 'text'."
+                    f"result.segments[{n}] must be an object with finite numbers "
+                    f"0 <= 'start' <= 'end' <= {MAX_SEGMENT_SECONDS} (seconds) "
+                    f"and a string 'text'."
                 )
     return result
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
 
 
 def _job(job_id: int) -> int:

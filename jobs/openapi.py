@@ -17,6 +17,7 @@ ERROR_CODES = [
     "method_not_allowed",
     "lease_lost",
     "payload_too_large",
+    "too_many_leases",
     "unavailable",
     "internal_error",
 ]
@@ -262,8 +263,18 @@ SPEC = {
                                     "type": "object",
                                     "required": ["start", "end", "text"],
                                     "properties": {
-                                        "start": {"type": "number", "minimum": 0},
-                                        "end": {"type": "number", "minimum": 0},
+                                        "start": {
+                                            "type": "number",
+                                            "minimum": 0,
+                                            "maximum": 10_000_000,
+                                            "description": "seconds; at most 'end'",
+                                        },
+                                        "end": {
+                                            "type": "number",
+                                            "minimum": 0,
+                                            "maximum": 10_000_000,
+                                            "description": "seconds",
+                                        },
                                         "text": {"type": "string"},
                                     },
                                 },

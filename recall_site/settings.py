@@ -7,10 +7,14 @@ PostgreSQL, SECRET_KEY and ALLOWED_HOSTS.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import environ
+from csp import constants as csp
 from django.core.exceptions import ImproperlyConfigured
+
+from . import secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -23,14 +27,29 @@ VAR_DIR = Path(env.str("RECALL_VAR_DIR", default=str(BASE_DIR / "var")))
 
 DEBUG = env.bool("DEBUG", default=False)
 
+# The embedded set-up: no DATABASE_URL, so the SQLite file under var/. That is
+# what `make run` serves, and every manage.py command on the same checkout must
+# see the same database and the same key without exporting anything.
+EMBEDDED = not env.str("DATABASE_URL", default="")
+
 SECRET_KEY = env.str("SECRET_KEY", default="")
+if not SECRET_KEY and EMBEDDED:
+    # Created on first use (mode 600), then shared by the server, the cluster
+    # and every command; never used once DATABASE_URL points elsewhere.
+    SECRET_KEY = secret_key.key_file(VAR_DIR / "secret_key")
 if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured(
             "Set SECRET_KEY in the environment (or DEBUG=on for a throwaway "
-            "development key). `make run` generates one under var/."
+            "development key). Without DATABASE_URL, Recall keeps one in "
+            "var/secret_key."
         )
     SECRET_KEY = "django-insecure-recall-development-only"
+if not DEBUG and (weakness := secret_key.weakness(SECRET_KEY)):
+    raise ImproperlyConfigured(
+        f"SECRET_KEY is too weak: {weakness}. Generate one with: python3 -c "
+        f"'import secrets; print(secrets.token_urlsafe(50))'"
+    )
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
@@ -44,6 +63,8 @@ INSTALLED_APPS = [
     "whitenoise.runserver_nostatic",
     "django.contrib.staticfiles",
     "django_q",
+    "axes",
+    "csp",
     "batches",
     "jobs",
 ]
@@ -51,6 +72,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "recall_site.middleware.HealthCheckMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "csp.middleware.CSPMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -59,6 +81,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "recall_site.middleware.DatabaseUnavailableMiddleware",
+    # Last, as django-axes asks: turns a locked-out login into its 429 page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "recall_site.urls"
@@ -88,10 +112,17 @@ DEFAULT_SQLITE_URL = f"sqlite:///{VAR_DIR / 'recall.sqlite3'}"
 DATABASES = {"default": env.db_url("DATABASE_URL", default=DEFAULT_SQLITE_URL)}
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=60)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# Each thread keeps its own persistent connection (gunicorn's threads live as
+# long as their process): processes x threads connections per web server. Not a
+# pool: after a database restart psycopg-pool waits out an exponential backoff
+# before it reconnects, and answers 503 meanwhile; a thread's own connection is
+# health-checked and reopened by its next request.
+RECALL_WEB_THREADS = env.int("RECALL_WEB_THREADS", default=1)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    connect_timeout = env.int("DATABASE_CONNECT_TIMEOUT", default=5)
     # Fail fast while the server is down: requests answer 503 instead of hanging.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
-        "connect_timeout", env.int("DATABASE_CONNECT_TIMEOUT", default=5)
+        "connect_timeout", connect_timeout
     )
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update(
@@ -124,6 +155,26 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = env.str("TIME_ZONE", default="UTC")
 USE_I18N = True
 USE_TZ = True
+
+# --- Login throttling (django-axes; recall_site/auth.py) ------------------------
+# After RECALL_LOGIN_FAILURE_LIMIT failed logins, a username is locked out from
+# the address that failed (other users, and the same user elsewhere, are not)
+# for RECALL_LOGIN_LOCKOUT_MINUTES; an admin unlocks sooner by deleting its
+# access attempts (Admin, Axes). The login page and the admin's alike.
+AUTHENTICATION_BACKENDS = [
+    "recall_site.auth.LoginThrottleBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env.int("RECALL_LOGIN_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(
+    minutes=env.int("RECALL_LOGIN_LOCKOUT_MINUTES", default=15)
+)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = "recall_site.auth.client_ip"
+AXES_USERNAME_CALLABLE = "recall_site.auth.username"
+AXES_LOCKOUT_CALLABLE = "recall_site.auth.locked_out"
+AXES_VERBOSE = False
 
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "/"
@@ -160,10 +211,33 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = RECALL_HTTPS
 # The preload flag alone enrolls nothing: a site must still be submitted to the list.
 SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=RECALL_HTTPS)
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
-if env.bool("RECALL_BEHIND_PROXY", default=False):
+# Behind a TLS-terminating reverse proxy: trust its X-Forwarded-Proto, and take
+# the client's address from the X-Forwarded-For entry it appended (login
+# throttling counts failures per address).
+RECALL_BEHIND_PROXY = env.bool("RECALL_BEHIND_PROXY", default=False)
+if RECALL_BEHIND_PROXY:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
+
+# Content-Security-Policy (django-csp): scripts and styles only from Recall's own
+# static files, never inline (the progress bars are SVG geometry, not style
+# attributes), so injected markup can neither run nor restyle anything. The
+# worker API answers JSON to programs: no policy there.
+CONTENT_SECURITY_POLICY = {
+    "EXCLUDE_URL_PREFIXES": ["/api/"],
+    "DIRECTIVES": {
+        "default-src": [csp.SELF],
+        "script-src": [csp.SELF],
+        "style-src": [csp.SELF],
+        "img-src": [csp.SELF],
+        "connect-src": [csp.SELF],
+        "form-action": [csp.SELF],
+        "frame-ancestors": [csp.NONE],
+        "base-uri": [csp.NONE],
+        "object-src": [csp.NONE],
+    },
+}
 
 # --- Recall -------------------------------------------------------------------
 # Which backend writes the transitions (jobs/transitions): "auto" takes the
@@ -211,8 +285,28 @@ RECALL_READY_MAX_SWEEP_AGE_SECONDS = env.int(
 RECALL_MAX_MANIFEST_BYTES = env.int(
     "RECALL_MAX_MANIFEST_BYTES", default=100 * 1024 * 1024
 )
+# Manifest files larger than this are taken in by the django-q2 cluster in the
+# background (the page shows its progress); smaller ones within the request.
+RECALL_BACKGROUND_INTAKE_BYTES = env.int(
+    "RECALL_BACKGROUND_INTAKE_BYTES", default=1024 * 1024
+)
+# Exports one web process streams at once (0: no limit); a further one gets a
+# 503 "try again" page. A process that listens only while it has a free thread
+# (gunicorn.conf.py) already sends heartbeats past busy processes; this limit
+# also keeps threads free when every process is busy, at the price of refusing
+# an export that lands on a process already streaming that many.
+RECALL_EXPORTS_PER_PROCESS = env.int("RECALL_EXPORTS_PER_PROCESS", default=0)
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
+# URL schemes a source may have (plain paths, absolute or relative, are always
+# allowed); intake refuses any other (ftp:, data:, javascript: ...).
+RECALL_SOURCE_SCHEMES = [
+    scheme.strip().lower().removesuffix(":")
+    for scheme in env.list(
+        "RECALL_SOURCE_SCHEMES", default=["s3", "gs", "az", "http", "https", "file"]
+    )
+    if scheme.strip()
+]
 
 for _name in (
     "RECALL_LEASE_SECONDS",
@@ -230,7 +324,8 @@ if RECALL_RETRY_BACKOFF_SECONDS < 0:
 # use Redis instead. catch_up is off: a missed sweep is not worth replaying.
 Q_CLUSTER = {
     "name": "recall",
-    "workers": env.int("RECALL_Q_WORKERS", default=1),
+    # Two: a minute-long background intake never delays the minute's sweep.
+    "workers": env.int("RECALL_Q_WORKERS", default=2),
     "timeout": 240,
     "retry": 300,
     "max_attempts": 1,
@@ -256,5 +351,7 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
+        # django-axes logs every login at INFO; lockouts are WARNING.
+        "axes": {"level": "WARNING"},
     },
 }

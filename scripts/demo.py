@@ -67,14 +67,13 @@ def configure_environment() -> None:
     sys.path.insert(0, str(ROOT))  # run as a script: the project is one level up
     VAR.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(exist_ok=True)
-    key_file = VAR / "secret_key"
-    if not key_file.exists():
-        key_file.write_text(secrets.token_urlsafe(50))
+    from recall_site.secret_key import key_file
+
     os.environ.update(
         DJANGO_SETTINGS_MODULE="recall_site.settings",
         RECALL_VAR_DIR=str(VAR),
         DATABASE_URL=f"sqlite:///{VAR / 'recall.sqlite3'}",
-        SECRET_KEY=key_file.read_text().strip(),
+        SECRET_KEY=key_file(VAR / "secret_key"),
         RECALL_HTTPS="off",
         RECALL_BIND=BIND,
         RECALL_LEASE_SECONDS=str(LEASE_SECONDS),

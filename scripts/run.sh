@@ -9,9 +9,11 @@ mkdir -p var
 
 # Plain HTTP on localhost: secure cookies and the HTTPS redirect would lock you out.
 export RECALL_HTTPS="${RECALL_HTTPS:-off}"
-if [ -z "${SECRET_KEY:-}" ]; then
-    [ -s var/secret_key ] || $PY -c "import secrets; print(secrets.token_urlsafe(50))" > var/secret_key
-    SECRET_KEY="$(cat var/secret_key)"
+# On the embedded default (no DATABASE_URL), settings read var/secret_key
+# themselves (creating it, mode 600), so `manage.py` in another terminal uses
+# the same key. With another database, the key is passed on from here.
+if [ -z "${SECRET_KEY:-}" ] && [ -n "${DATABASE_URL:-}" ]; then
+    SECRET_KEY="$($PY -m recall_site.secret_key var/secret_key)"
     export SECRET_KEY
 fi
 export RECALL_BIND="${RECALL_BIND:-127.0.0.1:8000}"

@@ -12,7 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-export SECRET_KEY="${SECRET_KEY:-test-only-not-a-secret}"
+# Settings refuse a weak key (under 50 characters) outside DEBUG: a fresh one.
+export SECRET_KEY="${SECRET_KEY:-$($PY -c 'import secrets; print(secrets.token_urlsafe(50))')}"
 # The test servers speak plain HTTP (production settings are checked separately,
 # in tests/test_settings.py, with their HTTPS defaults).
 export RECALL_HTTPS=off

@@ -27,6 +27,7 @@ import contextlib
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         port = free_port()
         env = {
             "PATH": os.environ["PATH"],
-            "SECRET_KEY": "chaos-run-secret",
+            "SECRET_KEY": secrets.token_urlsafe(50),
             "DATABASE_URL": url,
             "RECALL_HTTPS": "off",
             "RECALL_VAR_DIR": str(work),
@@ -172,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
             "DATABASE_CONNECT_TIMEOUT": "2",
             "CONN_MAX_AGE": "60",
             "LOG_LEVEL": "WARNING",
+            # The chaos engine's own sources: chaos://item/N.wav.
+            "RECALL_SOURCE_SCHEMES": "chaos",
         }
         _manage(env, "migrate", "-v0")
         tokens = [

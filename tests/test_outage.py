@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ pytestmark = [
 def _env(database_url: str, **extra: str) -> dict:
     return {
         "PATH": os.environ["PATH"],
-        "SECRET_KEY": "outage-test-secret",
+        "SECRET_KEY": secrets.token_urlsafe(50),
         "DATABASE_URL": database_url,
         "RECALL_HTTPS": "off",
         "RECALL_VAR_DIR": str(ROOT / "var"),
@@ -147,6 +148,8 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(server):
     status, body = _request(base, "/api/v1/claim", token, {})
     assert status == 200
     held = body["job"]
+    # Both processes have booted (the second may still be starting here).
+    _wait_until(lambda: True if _booted_workers(server["log"]) == 2 else None)
     workers_before = _booted_workers(server["log"])
 
     pg.stop("immediate")  # a crash, not a clean shutdown
@@ -182,10 +185,12 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(server):
 
     assert _wait_until(complete) == (200, {"status": "completed"})
     status, body = _request(base, "/api/v1/claim", token, {})
-    assert status == 200
+    server["log"].seek(0)
+    assert status == 200, server["log"].read()[-6000:]
     log = server["log"]
+    booted = _booted_workers(log)
     log.seek(0)
-    assert _booted_workers(log) == workers_before, log.read()[-5000:]
+    assert booted == workers_before, log.read()[-5000:]
     assert server["gunicorn"].poll() is None
     check = subprocess.run(
         [sys.executable, "manage.py", "recall_check"],

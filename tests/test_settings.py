@@ -1,5 +1,6 @@
 """Production settings: `check --deploy` is clean, and nothing insecure is defaulted."""
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,118 @@ def test_production_refuses_to_start_without_a_secret_key():
 
     assert result.returncode != 0
     assert "Set SECRET_KEY in the environment" in result.stderr
+
+
+def test_a_weak_secret_key_is_refused_at_start_up():
+    for key, why in (
+        ("x" * 20 + "abcdefghij", "it has 30 characters; at least 50 are needed"),
+        (
+            "django-insecure-" + "abcdefghij" * 5,
+            "it starts with Django's 'django-insecure-' prefix",
+        ),
+        ("ab" * 30, "it has fewer than 5 different characters"),
+    ):
+        result = manage("check", env={**PRODUCTION, "SECRET_KEY": key})
+
+        assert result.returncode != 0
+        assert f"SECRET_KEY is too weak: {why}" in result.stderr
+
+
+def test_a_weak_secret_key_is_allowed_in_debug():
+    env = {**PRODUCTION, "SECRET_KEY": "short", "DEBUG": "on"}
+
+    result = manage("check", env=env)
+
+    assert result.returncode == 0, result.stderr
+    assert "System check identified no issues" in result.stdout
+
+
+def test_the_embedded_set_up_keeps_its_key_in_var(tmp_path):
+    # No SECRET_KEY, no DATABASE_URL: what `make run` and every manage.py command
+    # on the same checkout see. The key is made once (mode 600) and then shared.
+    env = {"PATH": os.environ["PATH"], "RECALL_VAR_DIR": str(tmp_path)}
+    show = "from django.conf import settings; print(settings.SECRET_KEY)"
+
+    first = manage("shell", "-v", "0", "-c", show, env=env)
+    second = manage("shell", "-v", "0", "-c", show, env=env)
+
+    assert first.returncode == 0, first.stderr
+    key_file = tmp_path / "secret_key"
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    key = key_file.read_text().strip()
+    assert len(key) >= 50
+    assert first.stdout.strip() == second.stdout.strip() == key
+
+
+def test_the_key_file_is_not_used_with_another_database(tmp_path):
+    (tmp_path / "secret_key").write_text(
+        "k" * 30 + "-a-long-random-production-secret-value"
+    )
+    env = {
+        "PATH": os.environ["PATH"],
+        "RECALL_VAR_DIR": str(tmp_path),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'other.sqlite3'}",
+    }
+
+    result = manage("check", env=env)
+
+    assert result.returncode != 0
+    assert "Set SECRET_KEY in the environment" in result.stderr
+
+
+SHOW_DATABASE = (
+    "import json; from django.conf import settings; d = settings.DATABASES['default']; "
+    "print(json.dumps({'pool': d['OPTIONS'].get('pool'), 'age': d['CONN_MAX_AGE']}))"
+)
+
+
+def database_settings(**env: str) -> dict:
+    result = manage("shell", "-v", "0", "-c", SHOW_DATABASE, env={**PRODUCTION, **env})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_the_web_servers_threads_keep_persistent_connections_not_a_pool():
+    # A pool would wait out psycopg-pool's reconnect backoff after a database
+    # restart; each thread's own connection is health-checked and reopened.
+    threaded = database_settings(
+        DATABASE_URL="postgres://recall@db.example.com/recall",
+        RECALL_WEB_THREADS="8",
+        CONN_MAX_AGE="600",
+    )
+
+    assert threaded == {"pool": None, "age": 600}
+
+
+def test_commands_and_the_cluster_keep_a_persistent_connection():
+    plain = database_settings(DATABASE_URL="postgres://recall@db.example.com/recall")
+
+    assert plain == {"pool": None, "age": 60}
+
+
+def test_sqlite_never_gets_a_pool():
+    sqlite = database_settings(RECALL_WEB_THREADS="8")
+
+    assert sqlite == {"pool": None, "age": 60}
+
+
+def test_gunicorn_runs_threads():
+    show = (
+        "import json, os, runpy; c = runpy.run_path('gunicorn.conf.py'); "
+        "print(json.dumps([c['worker_class'], c['workers'], c['threads'], "
+        "os.environ['RECALL_WEB_THREADS']]))"
+    )
+
+    def config(**env: str) -> list:
+        result = subprocess.run(
+            [sys.executable, "-c", show], cwd=ROOT, env={**PRODUCTION, **env},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    cores = os.cpu_count() or 1
+    threaded = "recall_site.gunicorn_worker.ThreadWorker"
+    assert config() == [threaded, cores + 1, 8, "8"]
+    assert config(WEB_CONCURRENCY="3", RECALL_WEB_THREADS="4") == [threaded, 3, 4, "4"]
+    assert config(RECALL_WEB_THREADS="1") == ["sync", cores + 1, 1, "1"]

@@ -2,6 +2,7 @@
 tests silently not running, and only against that."""
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ def collect(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
         **os.environ,
         "RECALL_REQUIRE_POSTGRES": "1",
         "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
-        "SECRET_KEY": "test-only",
+        "SECRET_KEY": secrets.token_urlsafe(50),
     }
     return subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", POSTGRES_ONLY, *args],

@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import dataclasses
+import functools
+import ipaddress
 import json
 import logging
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -72,11 +77,110 @@ MAX_STDOUT_BYTES = 64 * 1024 * 1024
 MAX_RESPONSE_BYTES = 1024 * 1024
 # Retry-After is honoured, up to this.
 MAX_RETRY_AFTER_SECONDS = 300.0
+# The server's bound on segment times (seconds).
+MAX_SEGMENT_SECONDS = 10_000_000
 
 # Environment variables the engine subprocess must not inherit (its token).
 PRIVATE_ENV_PREFIXES = ("RECALL_TOKEN", "RECALL_WORKER_")
 
 log = logging.getLogger("recall.worker")
+
+
+# --- Logs never show a token ----------------------------------------------------
+
+REDACTED = "[redacted]"
+# A token next to its name, however it was printed: JSON, a dict's repr, a header.
+_TOKEN_PATTERNS = (
+    re.compile(r"""(["']?lease_token["']?\s*[:=]\s*["']?)([^"'\s,}]+)"""),
+    re.compile(r"(Bearer\s+)([^\s\"',}]+)", re.IGNORECASE),
+)
+
+
+class Redactor(logging.Filter):
+    """Removes the worker's token and every lease token from log records.
+
+    Installed on the log handler, so no line can show one, whatever logged it:
+    a message, its arguments, an exception's traceback. Known tokens are
+    replaced wherever they appear, and anything labelled as a token is too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._secrets: set[str] = set()
+
+    def add(self, secret: str) -> None:
+        if secret:
+            with self._lock:
+                self._secrets.add(secret)
+
+    def discard(self, secret: str) -> None:
+        with self._lock:
+            self._secrets.discard(secret)
+
+    def redact(self, text: str) -> str:
+        with self._lock:
+            secrets = sorted(self._secrets, key=len, reverse=True)
+        for secret in secrets:
+            text = text.replace(secret, REDACTED)
+        for pattern in _TOKEN_PATTERNS:
+            text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self.redact(record.getMessage())
+        record.args = None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
+        return True
+
+
+REDACTOR = Redactor()
+
+
+def configure_logging(level: str, token: str) -> None:
+    """Log to stderr, one line per event, with every token redacted."""
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s [%(threadName)s] %(message)s",
+        stream=sys.stderr,
+    )
+    REDACTOR.add(token)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(REDACTOR)
+
+
+def plain_http_warning(url: str) -> str | None:
+    """A warning when ``url`` sends the token in clear text over a network."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme != "http":
+        return None
+    host = (parsed.hostname or "").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return None
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    return (
+        f"RECALL_URL is plain http:// to {host!r}, which is not this machine: the "
+        f"worker token and every transcript cross the network unencrypted; use "
+        f"https://"
+    )
+
+
+def safe_url(url: str) -> str:
+    """``url`` without a password, for logs."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.password is None:
+        return url
+    netloc = f"{parsed.username}:{REDACTED}@{parsed.hostname}"
+    if parsed.port is not None:
+        netloc += f":{parsed.port}"
+    return urllib.parse.urlunsplit(parsed._replace(netloc=netloc))
 
 
 # --- Errors ---------------------------------------------------------------------
@@ -290,6 +394,9 @@ class Job:
     source: str
     params: dict
     duration: float | None
+    # With --source-root: the real path the source was checked as (the engine
+    # gets this one, so what was checked is what is opened).
+    local_path: str | None = None
 
     @classmethod
     def from_claim(cls, payload: dict) -> Job:
@@ -420,7 +527,8 @@ def normalize_result(data: Any) -> dict:
 
     ``text`` becomes a string (joined from the segments if missing);
     ``segments`` keep ``start``, ``end`` (seconds, rounded to ms, 0 <= start <=
-    end) and ``text``, and are dropped when unusable; ``language`` is kept if it
+    end <= MAX_SEGMENT_SECONDS: a later end is capped) and ``text``, and are
+    dropped when unusable or starting later; ``language`` is kept if it
     is a string. Other top-level fields are kept, cleaned. Raises ValueError when
     there is nothing that looks like a transcript.
     """
@@ -458,8 +566,10 @@ def _clean_segments(raw: Any) -> list[dict] | None:
         start, end = segment.get("start"), segment.get("end")
         if not (_is_number(start) and _is_number(end)):
             continue
+        if start > MAX_SEGMENT_SECONDS:
+            continue
         start = round(max(0.0, float(start)), 3)
-        end = round(max(start, float(end)), 3)
+        end = round(min(max(start, float(end)), MAX_SEGMENT_SECONDS), 3)
         text = segment.get("text")
         segments.append({"start": start, "end": end, "text": clean_text(text or "")})
     return segments
@@ -545,6 +655,51 @@ def source_path(source: str) -> str:
     return source
 
 
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def is_local(source: str) -> bool:
+    """True for a ``file://`` URL or a plain path (a single letter before a colon
+    is a Windows drive, not a scheme), as the server's intake reads them."""
+    match = _SCHEME.match(source)
+    return match is None or len(match.group(1)) == 1 or match.group(1).lower() == "file"
+
+
+class SourceRoot:
+    """``--source-root``: local sources must resolve to a path inside it."""
+
+    def __init__(self, root: str):
+        self.root = os.path.realpath(root)
+
+    def resolve(self, source: str) -> str | None:
+        """The real path of a local source inside the root (``..`` and symlinks
+        resolved), the source itself when it is not local, or None when it is
+        outside (a ``file://`` URL naming another host included)."""
+        if not is_local(source):
+            return source
+        path = source_path(source)
+        if "://" in path:  # file://otherhost/...: not a path on this machine
+            return None
+        real = os.path.realpath(path)
+        if os.path.commonpath([self.root, real]) != self.root:
+            return None
+        return real
+
+    def check(self, job: Job) -> Job | Failure:
+        """The job with its checked path, or a failure that is not retried."""
+        path = self.resolve(job.source)
+        if path is None:
+            return Failure(
+                f"The source {job.source!r} is outside --source-root {self.root} "
+                f"(after resolving '..' and symbolic links); refused without a "
+                f"retry.",
+                retryable=False,
+            )
+        return (
+            dataclasses.replace(job, local_path=path) if is_local(job.source) else job
+        )
+
+
 PLACEHOLDERS = {
     "source": "the item's source, as in the manifest",
     "source_path": "the same, file:// URLs as local paths",
@@ -562,7 +717,7 @@ PLACEHOLDERS = {
 def _placeholder_values(job: Job, outdir: str) -> dict[str, Any]:
     return {
         "source": job.source,
-        "source_path": source_path(job.source),
+        "source_path": job.local_path or source_path(job.source),
         "outdir": outdir,
         "params": _Params(job.params),
         "duration": "" if job.duration is None else f"{job.duration:g}",
@@ -645,9 +800,11 @@ class CommandEngine(Engine):
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=self._child_env(job, outdir),
+                env=self._child_env(job, values),
                 # Its own process group, so killing it kills everything it started.
                 start_new_session=True,
+                # And it dies with the worker, even if the worker is SIGKILLed.
+                preexec_fn=die_with_parent(),
             )
         except OSError as error:
             return Failure(f"Could not start the engine {argv[0]!r}: {error}.")
@@ -715,16 +872,53 @@ class CommandEngine(Engine):
             return Failure(_with_tail(f"Unusable engine output: {error}.", tail))
 
     @staticmethod
-    def _child_env(job: Job, outdir: str) -> dict[str, str]:
+    def _child_env(job: Job, values: dict[str, Any]) -> dict[str, str]:
         env = {
             k: v
             for k, v in os.environ.items()
             if not k.startswith(PRIVATE_ENV_PREFIXES)
         }
         env.pop("RECALL_URL", None)
-        for name, value in _placeholder_values(job, outdir).items():
+        for name, value in values.items():
             env[f"RECALL_{name.upper()}"] = format(value)
         return env
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl(2), on Linux; loaded once, in the worker, never in a child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has Linux SIGKILL the child when the worker dies.
+
+    Without it, a worker killed by SIGKILL (or the OOM killer) leaves its engine
+    running on the GPU with nobody to report its result. Elsewhere, None.
+
+    The death signal fires when the *thread* that started the child ends; each
+    engine is started and waited for by its slot's thread, which outlives it.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        # Runs in the child between fork and exec: nothing here takes a lock.
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the worker died before the line above
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 def _read_all(pipe: Any, chunks: list[bytes], limit: int) -> None:
@@ -907,6 +1101,7 @@ class Settings:
     poll_min: float = 1.0
     poll_max: float = 30.0
     http_timeout: float = 30.0
+    source_root: SourceRoot | None = None
 
 
 class Slot(threading.Thread):
@@ -996,6 +1191,7 @@ class Slot(threading.Thread):
         return None
 
     def adopt(self, job: Job) -> Job | None:
+        REDACTOR.add(job.lease_token)  # never in a log line, from here on
         duration = "unknown" if job.duration is None else f"{job.duration:g}s"
         log.info(
             "%s claimed: batch=%s item=%s source=%s duration=%s lease=%gs",
@@ -1008,6 +1204,7 @@ class Slot(threading.Thread):
         )
         if self.shutdown.requested:  # a signal arrived while the claim was in flight
             self.release(job)
+            REDACTOR.discard(job.lease_token)
             return None
         return job
 
@@ -1021,7 +1218,11 @@ class Slot(threading.Thread):
         beat.start()
         started = time.monotonic()
         try:
-            outcome = self.engine.run(job, cancel)
+            checked = self._checked(job)
+            if isinstance(checked, Failure):
+                outcome: Outcome = checked
+            else:
+                outcome = self.engine.run(checked, cancel)
         except Exception as error:  # an engine bug must not kill the worker
             log.exception("%s engine error", job.tag)
             outcome = Failure(f"The worker's engine raised {error!r}.")
@@ -1047,8 +1248,13 @@ class Slot(threading.Thread):
                 log.warning("%s abandoned: %s", job.tag, outcome.reason)
         finally:
             beat.join(timeout=self.settings.http_timeout + 1)
+            REDACTOR.discard(job.lease_token)
         if beat.refused is not None:
             raise beat.refused
+
+    def _checked(self, job: Job) -> Job | Failure:
+        root = self.settings.source_root
+        return job if root is None else root.check(job)
 
     def _finishing(self) -> bool:
         """Give up a completion or failure report only once the grace is over."""
@@ -1246,7 +1452,9 @@ engines:
                        them as environment variables (RECALL_SOURCE,
                        RECALL_OUTDIR, RECALL_PARAMS, ...), never the worker's
                        token. It runs in a process group of its own, which is
-                       killed when the lease is lost, on shutdown and on timeout.
+                       killed when the lease is lost, on shutdown and on timeout;
+                       on Linux the engine is also killed if the worker dies
+                       (even by SIGKILL).
 
   The result is read, in this order, from: a *.json file the engine wrote in
   {{outdir}} (result.json first); JSON printed on stdout (all of it, or its last
@@ -1405,6 +1613,15 @@ def build_parser() -> argparse.ArgumentParser:
         "temporary directory) [env RECALL_WORKER_WORKDIR]",
     )
     add(
+        "--source-root",
+        default=_env("RECALL_WORKER_SOURCE_ROOT"),
+        metavar="DIR",
+        help="only read local sources (file:// URLs and plain paths) inside DIR, "
+        "after resolving '..' and symbolic links; a job whose source is outside "
+        "fails without a retry. Other schemes (s3://, https://...) are passed on "
+        "[env RECALL_WORKER_SOURCE_ROOT]",
+    )
+    add(
         "--simulate-factor",
         type=_non_negative_float,
         default=_env("RECALL_WORKER_SIMULATE_FACTOR", "0.05"),
@@ -1510,16 +1727,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
             parser.error(f"--command: {argv0!r} is not an executable on PATH")
     if args.poll_min > args.poll_max:
         parser.error("--poll-min must not be larger than --poll-max")
+    if args.source_root and not os.path.isdir(args.source_root):
+        parser.error(f"--source-root: {args.source_root!r} is not a directory")
     return args, token
 
 
 def main(argv: list[str] | None = None) -> int:
     args, token = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s [%(threadName)s] %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, token)
+    if warning := plain_http_warning(args.url):
+        log.warning("%s", warning)
     registry = ProcessRegistry()
     if args.simulate:
         engine: Engine = SimulateEngine(
@@ -1536,17 +1753,21 @@ def main(argv: list[str] | None = None) -> int:
             registry=registry,
         )
     settings = Settings(
-        poll_min=args.poll_min, poll_max=args.poll_max, http_timeout=args.http_timeout
+        poll_min=args.poll_min,
+        poll_max=args.poll_max,
+        http_timeout=args.http_timeout,
+        source_root=SourceRoot(args.source_root) if args.source_root else None,
     )
     api = Api(args.url, token, timeout=args.http_timeout, retry_cap=args.retry_max)
     shutdown = Shutdown(args.shutdown_grace)
     install_signal_handlers(shutdown, registry)
     log.info(
-        "recall-worker %s: url=%s engine=%s concurrency=%d",
+        "recall-worker %s: url=%s engine=%s concurrency=%d source-root=%s",
         __version__,
-        args.url,
+        safe_url(args.url),
         engine.name,
         args.concurrency,
+        settings.source_root.root if settings.source_root else "none",
     )
     slots = [
         Slot(n, api=api, engine=engine, settings=settings, shutdown=shutdown)

@@ -24,7 +24,7 @@ those rows themselves; they call these functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -316,10 +316,13 @@ def create_batch(
     max_in_flight: int | None = None,
     created_by: Any = None,
     now: datetime | None = None,
+    on_created: Callable[[Batch], None] | None = None,
 ) -> Batch:
     """The batch, its items (``(source, params, duration_ms)``), their jobs and
     counters, in one transaction. ``items`` may raise to abandon it all. The
-    batch joins the fair-share rotation of its priority where the others are."""
+    batch joins the fair-share rotation of its priority where the others are.
+    ``on_created(batch)`` runs last in the same transaction (a background
+    intake marks itself done there, so the two commit together)."""
     return backend().create_batch(
         name=name,
         items=items,
@@ -328,6 +331,7 @@ def create_batch(
         max_in_flight=max_in_flight,
         created_by=created_by,
         now=_now(now),
+        on_created=on_created,
     )
 
 

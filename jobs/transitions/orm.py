@@ -21,7 +21,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from itertools import islice
@@ -464,6 +464,7 @@ class OrmBackend:
         max_in_flight: int | None,
         created_by: Any,
         now: datetime,
+        on_created: Callable[[Batch], None] | None = None,
     ) -> Batch:
         """The batch, its items, their jobs and the counters, in one transaction:
         a batch is never visible half-created. ``items`` may raise to abandon it."""
@@ -508,7 +509,9 @@ class OrmBackend:
             )
             batch.save(update_fields=["total", "total_ms", "durations_known"])
             rejoin_share([batch.pk])  # joins the rotation where the others are
-        batch.refresh_from_db(fields=["virtual_time"])
+            batch.refresh_from_db(fields=["virtual_time"])
+            if on_created is not None:
+                on_created(batch)
         return batch
 
     ITEM_COLUMNS = (

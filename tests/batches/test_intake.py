@@ -168,3 +168,74 @@ def test_the_item_limit_is_enforced(settings):
 def test_the_batch_name_is_checked(name):
     with pytest.raises(ManifestInvalid):
         create_batch(name, lambda: iter(["/a\n"]))
+
+
+# --- Hostile sources ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("/audio/\u202egnp.wav", "the source contains an invisible formatting character (U+202E; bidirectional overrides and zero-width characters hide what a source really is)"),
+        ("/audio/a\u200bb.wav", "the source contains an invisible formatting character (U+200B; bidirectional overrides and zero-width characters hide what a source really is)"),
+        ("/audio/\u0085next.wav", "the source contains a control character"),
+        ("/audio/a\x7f.wav", "the source contains a control character"),
+        ("--output=/etc/passwd", "the source starts with '-', which an engine would read as an option (write ./-name for a file whose name starts with '-')"),
+        ("ftp://example.com/a.wav", "the scheme 'ftp:' is not allowed; use a plain path or one of s3:, gs:, az:, http:, https:, file: (RECALL_SOURCE_SCHEMES)"),
+        ("data:audio/wav;base64,UklGRg==", "the scheme 'data:' is not allowed; use a plain path or one of s3:, gs:, az:, http:, https:, file: (RECALL_SOURCE_SCHEMES)"),
+        ("JavaScript:alert(1)", "the scheme 'javascript:' is not allowed; use a plain path or one of s3:, gs:, az:, http:, https:, file: (RECALL_SOURCE_SCHEMES)"),
+    ],
+)  # fmt: skip
+def test_hostile_sources_are_refused_with_their_line_number(source, message):
+    assert parse(f"/ok.wav\n{source}\n") == [
+        Entry(1, "/ok.wav", {}, None),
+        LineError(2, message),
+    ]
+
+
+def test_a_hostile_source_in_a_csv_manifest_is_refused_too():
+    assert parse("source,lang\n/ok.wav,en\n-rf,en\n") == [
+        Entry(2, "/ok.wav", {"lang": "en"}, None),
+        LineError(3, "the source starts with '-', which an engine would read as an option (write ./-name for a file whose name starts with '-')"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "/data/a.wav",
+        "relative/b.wav",
+        "./-dash.wav",
+        "C:\\audio\\c.wav",
+        "S3://Bucket/d.flac",
+        "gs://b/e.wav",
+        "az://c/f.wav",
+        "https://cdn.example.com/g.mp3?sig=a-b",
+        "file:///audio/h.wav",
+        "/audio/naïve café — ünïcode.wav",
+        "/audio/a:b.wav",
+    ],
+)
+def test_plain_paths_and_allowed_schemes_are_accepted(source):
+    assert parse(f"{source}\n") == [Entry(1, source, {}, None)]
+
+
+def test_the_allowed_schemes_are_a_setting(settings):
+    settings.RECALL_SOURCE_SCHEMES = ["s3"]
+
+    assert parse("s3://b/a.wav\nhttps://x/b.wav\n/c.wav\n") == [
+        Entry(1, "s3://b/a.wav", {}, None),
+        LineError(2, "the scheme 'https:' is not allowed; use a plain path or one of s3: (RECALL_SOURCE_SCHEMES)"),
+        Entry(3, "/c.wav", {}, None),
+    ]  # fmt: skip
+
+
+@pytest.mark.django_db
+def test_a_manifest_with_one_hostile_source_creates_nothing():
+    lines = ["/a.wav\n", "ftp://x/b.wav\n"]
+
+    with pytest.raises(
+        ManifestInvalid, match=r"line 2: the scheme 'ftp:' is not allowed"
+    ):
+        create_batch("x", lambda: iter(lines))
+    assert not Batch.objects.exists()

@@ -203,3 +203,36 @@ def test_no_polling_while_the_tab_is_hidden(logged_in: Page, live_server, tmp_pa
                 document.dispatchEvent(new Event("visibilitychange"));
             }"""
         )
+
+
+def test_pages_keep_the_content_security_policy(logged_in: Page, live_server, tmp_path):
+    # Every CSP violation the browser reports (an inline style or script it
+    # refused) is collected; there must be none, on any page an operator uses.
+    page = logged_in
+    page.add_init_script(
+        "window.__violations = [];"
+        "document.addEventListener('securitypolicyviolation', (e) =>"
+        " window.__violations.push(e.violatedDirective + ' ' + e.blockedURI));"
+    )
+    _create_batch(page, live_server, tmp_path)
+    api = Api(live_server.url)
+    status, body = api.claim()
+    assert status == 200
+    api.complete(body["job"])
+    expect(page.locator('[data-count="done"]')).to_have_text("1", timeout=10_000)
+
+    done = page.locator("#batch-live svg.bar .seg-done")
+    queued = page.locator("#batch-live svg.bar .seg-queued")
+    assert done.get_attribute("d") == "M0.000 0h33.300v1H0.000z"
+    assert queued.get_attribute("d") == "M33.300 0h66.700v1H33.300z"
+    # Drawn as it says: the done segment is a third of the bar, the queued one
+    # starts where it ends.
+    bar = page.locator("#batch-live svg.bar").bounding_box()
+    done_box, queued_box = done.bounding_box(), queued.bounding_box()
+    assert abs(done_box["width"] - bar["width"] / 3) < 2
+    assert abs(queued_box["x"] - (done_box["x"] + done_box["width"])) < 1
+    assert done_box["height"] == bar["height"]
+    assert page.evaluate("window.__violations") == []
+    for path in ("/", "/workers/", "/batches/new/", "/admin/"):
+        page.goto(live_server.url + path)
+        assert page.evaluate("window.__violations") == [], path

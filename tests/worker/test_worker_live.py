@@ -7,12 +7,15 @@ a few seconds long so that expiry and heartbeats happen within a test.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
+from batches.intake import create_batch
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
@@ -373,3 +376,76 @@ def test_a_refused_worker_exits_3_with_a_clear_message(start_worker, disable, ex
 
     assert proc.exit_code() == 3
     assert f"the server refused this worker: {expected}" in proc.log()
+
+
+def test_sigkill_of_the_worker_kills_its_engine(start_worker):
+    batch = batch_with_modes(["hang"])
+    proc = start_worker(make_worker(), "--command", FAKE_ENGINE_COMMAND)
+    (record,) = wait_for(
+        lambda: engine_records(start_worker.engine_dir),
+        what="the engine started",
+        workers=(proc,),
+    )
+    try:
+        proc.send(signal.SIGKILL)  # no handler runs: the kernel ends the engine
+        assert proc.exit_code() == -signal.SIGKILL
+
+        wait_for(
+            lambda: process_gone(record["pid"]),
+            timeout=5,
+            what="the engine to die with its worker",
+        )
+    finally:
+        # What the engine itself started is not covered (README): clean it up.
+        for pid in (record["pid"], record["child"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert status_of(jobs_of(batch)[0]) == JobStatus.LEASED  # for the sweep to reclaim
+
+
+def test_sources_outside_the_source_root_fail_without_a_retry(start_worker, tmp_path):
+    root = tmp_path / "audio"
+    (root / "in").mkdir(parents=True)
+    (root / "in" / "a.wav").write_bytes(b"RIFF")
+    (root / "link").symlink_to(tmp_path)  # inside, but leads out
+    sources = [
+        f"{root}/in/a.wav",
+        f"file://{root}/in/a.wav",
+        f"{root}/in/../../secret.wav",
+        f"file://{root}/link/secret.wav",
+        "s3://bucket/remote.wav",
+    ]
+    manifest = "source,mode\n" + "".join(f"{s},json\n" for s in sources)
+    lines = manifest.splitlines(keepends=True)
+    batch = create_batch("rooted", lambda: iter(lines), now=timezone.now())
+    proc = start_worker(
+        make_worker(), "--command", FAKE_ENGINE_COMMAND, "--source-root", str(root)
+    )
+
+    wait_for(
+        lambda: (
+            not Job.objects.filter(
+                batch=batch, status__in=[JobStatus.QUEUED, JobStatus.LEASED]
+            ).exists()
+        ),
+        what="every job finished",
+        workers=(proc,),
+    )
+
+    jobs = jobs_of(batch)
+    assert [status_of(job) for job in jobs] == [
+        JobStatus.COMPLETED,
+        JobStatus.COMPLETED,
+        JobStatus.FAILED,
+        JobStatus.FAILED,
+        JobStatus.COMPLETED,
+    ]
+    for job in jobs[2:4]:
+        job.refresh_from_db()
+        assert ledger(job) == [(LeaseEnd.FAILED, "gpu-1")]  # one attempt: no retry
+        assert job.last_error == (
+            f"The source {job.item.source!r} is outside --source-root {root} (after "
+            f"resolving '..' and symbolic links); refused without a retry."
+        )
+    # The engine got the checked path; the source itself is unchanged.
+    assert jobs[1].result["text"] == f"fake transcript of file://{root}/in/a.wav"

@@ -23,7 +23,7 @@ rw = load_worker_module()
 def server_accepts(result: dict) -> None:
     """The server's own validation of a completion body: raises if refused."""
     body = json.loads(json.dumps({"result": result}, allow_nan=False))
-    api._check_strings(body)
+    api._check_values(body)
     api._result(body)
 
 

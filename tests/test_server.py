@@ -1,0 +1,185 @@
+"""The production server as configured (gunicorn.conf.py): gthread workers with
+a persistent PostgreSQL connection per thread. Several processes and threads serve
+the worker API at once; the hot path's prepared statements (jobs/pgsql.py) keep
+working on their connections, and the server holds no more connections than
+it has threads."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from jobs.models import Job, JobStatus, Lease, LeaseEnd
+
+from .factories import assert_consistent, make_batch, make_worker
+from .pgserver import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PROCESSES, THREADS = 2, 4
+APPLICATION = "recall-server-test"
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+def start_server(tmp_path, processes: int, threads: int, *args: str):
+    """gunicorn with gunicorn.conf.py (``args`` on top) on the test database."""
+    s = connection.settings_dict
+    port = free_port()
+    env = {
+        "PATH": os.environ["PATH"],
+        "SECRET_KEY": os.environ["SECRET_KEY"],
+        # Named, to tell its connections from any other (a live server's).
+        "DATABASE_URL": (
+            f"postgres://{s['USER'] or 'root'}@{s['HOST'] or '127.0.0.1'}:"
+            f"{s['PORT'] or 5432}/{s['NAME']}?application_name={APPLICATION}"
+        ),
+        "RECALL_HTTPS": "off",
+        "RECALL_BIND": f"127.0.0.1:{port}",
+        "RECALL_STARTUP_SWEEP": "quick",
+        "RECALL_VAR_DIR": str(tmp_path),
+        "WEB_CONCURRENCY": str(processes),
+        "RECALL_WEB_THREADS": str(threads),
+        "RECALL_ACCESS_LOG": str(tmp_path / "access.log"),
+    }
+    log = tmp_path / "gunicorn.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *args],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while log.read_text().count("Booting worker") < processes or not _healthy(port):
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    return process, port, log
+
+
+def _healthy(port: int) -> bool:
+    try:
+        probe = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        probe.request("GET", "/healthz")
+        return probe.getresponse().status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def server(tmp_path):
+    process, port, log = start_server(tmp_path, PROCESSES, THREADS)
+    yield port, log
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def backends() -> int:
+    """The server's connections to the test database."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s",
+            [APPLICATION],
+        )
+        return cursor.fetchone()[0]
+
+
+def test_threads_keep_their_connections_and_the_hot_path_stays_correct(server):
+    port, log = server
+    batch = make_batch(240, now=timezone.now())
+    workers = [make_worker(f"gpu-{i}") for i in range(12)]
+    seen_backends: list[int] = []
+    errors: list[str] = []
+
+    def work(worker) -> None:
+        headers = {"Authorization": f"Bearer {worker.token}"}
+        while True:
+            client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            client.request("POST", "/api/v1/claim", "{}", headers)
+            response = client.getresponse()
+            body = response.read()
+            if response.status == 204:
+                return
+            if response.status != 200:
+                errors.append(f"claim {response.status} {body[:200]!r}")
+                return
+            job = json.loads(body)["job"]
+            for path, payload in (
+                ("heartbeat", {"lease_token": job["lease_token"]}),
+                (
+                    "complete",
+                    {"lease_token": job["lease_token"], "result": {"text": "ok"}},
+                ),
+            ):
+                client.request(
+                    "POST",
+                    f"/api/v1/jobs/{job['id']}/{path}",
+                    json.dumps(payload),
+                    headers,
+                )
+                response = client.getresponse()
+                response.read()
+                if response.status != 200:
+                    errors.append(f"{path} {response.status}")
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in workers]
+    for thread in threads:
+        thread.start()
+    while any(t.is_alive() for t in threads):
+        seen_backends.append(backends())
+        time.sleep(0.05)
+
+    assert errors == []
+    assert Job.objects.filter(batch=batch, status=JobStatus.COMPLETED).count() == 240
+    assert (
+        Lease.objects.filter(job__batch=batch, end_reason=LeaseEnd.COMPLETED).count()
+        == 240
+    )
+    assert_consistent(timezone.now())
+    # 12 clients at once, but never more connections than threads.
+    assert 0 < max(seen_backends) <= PROCESSES * THREADS
+    text = log.read_text()
+    assert "Using worker: recall_site.gunicorn_worker.ThreadWorker" in text
+    assert "Traceback" not in text
+
+
+def test_a_process_with_no_free_thread_takes_no_new_connection(tmp_path):
+    """2 processes x 2 threads; 3 requests hang (their bodies never come), so one
+    process has no free thread. Every new request must still be answered at
+    once, by the other process: the busy one is not listening."""
+    process, port, _log = start_server(tmp_path, 2, 2)
+    stuck = []
+    try:
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(
+                b"POST /api/v1/claim HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer nobody\r\nContent-Length: 100\r\n\r\n"
+            )
+            stuck.append(sock)
+            time.sleep(0.3)  # accepted, and its thread waiting for the body
+        took = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            probe = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            probe.request("GET", "/healthz")
+            assert probe.getresponse().status == 200
+            took.append(time.perf_counter() - t0)
+            probe.close()
+    finally:
+        for sock in stuck:
+            sock.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+    assert max(took) < 1.0, took
