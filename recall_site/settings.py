@@ -12,6 +12,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from . import logs
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -202,6 +204,8 @@ RECALL_READY_MAX_SWEEP_AGE_SECONDS = env.int(
 RECALL_MAX_MANIFEST_BYTES = env.int(
     "RECALL_MAX_MANIFEST_BYTES", default=100 * 1024 * 1024
 )
+# /metrics answers only when this is set, and only to "Authorization: Bearer <it>".
+RECALL_METRICS_TOKEN = env.str("RECALL_METRICS_TOKEN", default="")
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 
@@ -230,17 +234,11 @@ if _redis_url := env.str("RECALL_Q_REDIS_URL", default=""):
 else:
     Q_CLUSTER["orm"] = "default"
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {
-        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
-    },
-    "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
-    },
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {
-        "django.db.backends": {"level": "WARNING"},
-    },
-}
+# --- Logs -----------------------------------------------------------------------
+# text: lines on stderr (the default); json: one JSON object per line on stdout,
+# with the job, attempt, worker and batch ids a record carries (recall_site/logs.py).
+# gunicorn.conf.py reads the same two variables for gunicorn's own logs.
+LOG_FORMAT = env.str("LOG_FORMAT", default="text")
+if LOG_FORMAT not in logs.FORMATS:
+    raise ImproperlyConfigured(f"LOG_FORMAT must be one of {', '.join(logs.FORMATS)}.")
+LOGGING = logs.django_logging(LOG_FORMAT, env.str("LOG_LEVEL", default="INFO"))
