@@ -20,6 +20,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
+from observability.metrics import observed
+
 from .exceptions import LeaseLost
 from .models import Job, Worker, heartbeat_interval
 
@@ -86,7 +88,7 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
             return error_response(409, "lease_lost", str(error))
         # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
-    return wrapper
+    return observed(wrapper)
 
 
 def authenticate(request: HttpRequest) -> Worker:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from django.conf import settings
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
@@ -15,7 +16,9 @@ log = logging.getLogger("recall.site")
 
 class HealthCheckMiddleware:
     """Answer /healthz and /readyz first, before host validation, sessions or
-    HTTPS redirects: load balancers and Kubernetes probe by IP over plain HTTP."""
+    HTTPS redirects: load balancers and Kubernetes probe by IP over plain HTTP.
+    /metrics too, once RECALL_METRICS_TOKEN is set: Prometheus scrapes every
+    node by its address (each node counts its own requests)."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -25,6 +28,10 @@ class HealthCheckMiddleware:
             return health.healthz(request)
         if request.path == "/readyz":
             return health.readyz(request)
+        if request.path == "/metrics" and settings.RECALL_METRICS_TOKEN:
+            from observability.metrics import metrics_view
+
+            return metrics_view(request)
         return self.get_response(request)
 
 
