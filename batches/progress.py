@@ -83,6 +83,21 @@ def percent(part: int, total: int) -> float:
     return round(100 * part / total, 1) if total > 0 else 0.0
 
 
+# The segmented bar's order: finished first, then in flight, waiting, cancelled.
+SEGMENT_ORDER = (
+    ItemStatus.DONE,
+    ItemStatus.FAILED,
+    ItemStatus.TRANSCRIBING,
+    ItemStatus.QUEUED,
+    ItemStatus.CANCELLED,
+)
+
+
+def segments(counts: dict[str, int], total: int) -> list[tuple[str, int, float]]:
+    """(status, count, percent of total) for a segmented bar of items."""
+    return [(s, counts[s], percent(counts[s], total)) for s in SEGMENT_ORDER]
+
+
 def window_seconds(
     now: datetime, window_start: datetime, created_at: datetime
 ) -> float:
@@ -103,6 +118,30 @@ def chart_bars(
         (m, done_by_minute.get(m, 0))
         for m in (last - timedelta(minutes=i) for i in range(minutes - 1, -1, -1))
     ]
+
+
+def chart_geometry(bars: list[tuple[datetime, int]]) -> dict:
+    """Geometry of the throughput chart (an inline SVG, one bar per minute)."""
+    width, height, gap = 600, 120, 2
+    top = max((n for _, n in bars), default=0)
+    bar = width / max(len(bars), 1)
+    return {
+        "width": width,
+        "height": height,
+        "top": top,
+        "total": sum(n for _, n in bars),
+        "bars": [
+            {
+                "x": round(i * bar, 1),
+                "w": round(bar - gap, 1),
+                "h": round(height * n / top, 1) if top else 0,
+                "y": round(height - (height * n / top), 1) if top else height,
+                "n": n,
+                "minute": minute,
+            }
+            for i, (minute, n) in enumerate(bars)
+        ],
+    }
 
 
 def format_duration(seconds: float | None) -> str:
@@ -155,14 +194,7 @@ class Progress:
     @property
     def segments(self) -> list[tuple[str, int, float]]:
         """(status, count, percent of total) for the segmented bar."""
-        order = (
-            ItemStatus.DONE,
-            ItemStatus.FAILED,
-            ItemStatus.TRANSCRIBING,
-            ItemStatus.QUEUED,
-            ItemStatus.CANCELLED,
-        )
-        return [(s, self.counts[s], percent(self.counts[s], self.total)) for s in order]
+        return segments(self.counts, self.total)
 
     def as_json(self) -> dict:
         return {

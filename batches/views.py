@@ -42,7 +42,13 @@ from . import exports
 from .forms import ItemFilterForm, NewBatchForm
 from .intake import ManifestInvalid, create_batch
 from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
-from .progress import BatchState, format_duration, progress_for, progress_for_many
+from .progress import (
+    BatchState,
+    chart_geometry,
+    format_duration,
+    progress_for,
+    progress_for_many,
+)
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
@@ -233,8 +239,7 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
     return {
         "batch": batch,
         "progress": progress,
-        "eta_text": format_duration(progress.eta_seconds),
-        "chart": _chart(progress.chart) if chart else None,
+        "chart": chart_geometry(progress.chart) if chart else None,
         "form": form,
         "page": page,
         "filtered": bool(
@@ -257,30 +262,6 @@ def _without(request: HttpRequest, *names: str) -> str:
     for name in names:
         params.pop(name, None)
     return params.urlencode()
-
-
-def _chart(bars) -> dict:
-    """Geometry of the throughput chart (an inline SVG, one bar per minute)."""
-    width, height, gap = 600, 120, 2
-    top = max((n for _, n in bars), default=0)
-    bar = width / max(len(bars), 1)
-    return {
-        "width": width,
-        "height": height,
-        "top": top,
-        "total": sum(n for _, n in bars),
-        "bars": [
-            {
-                "x": round(i * bar, 1),
-                "w": round(bar - gap, 1),
-                "h": round(height * n / top, 1) if top else 0,
-                "y": round(height - (height * n / top), 1) if top else height,
-                "n": n,
-                "minute": minute,
-            }
-            for i, (minute, n) in enumerate(bars)
-        ],
-    }
 
 
 @require_GET

@@ -83,12 +83,15 @@ def unsettled_batches():
     ).order_by("-priority", "pk")
 
 
-def batch_states(now: datetime) -> dict[str, int]:
+def batch_states(
+    now: datetime, open_batches: list[Progress] | None = None
+) -> dict[str, int]:
     """Batches per state, in the operator UI's words and by its rules
     (``batches.progress.batch_state``). A cancelled batch is cancelled; one the
     sweep marked finished has nothing queued or in flight (the sweep checks
     that under the batch's lock, and a retry unmarks it under the same lock);
-    the others are read like the batch pages read them."""
+    the others are read like the batch pages read them (``open_batches``:
+    ``open_progress(now)``, if the caller has it already)."""
     counts = dict.fromkeys(BatchState.ALL, 0)
     flags = Batch.objects.aggregate(
         cancelled=Count("pk", filter=Q(cancelled_at__isnull=False)),
@@ -98,17 +101,16 @@ def batch_states(now: datetime) -> dict[str, int]:
     )
     counts[BatchState.CANCELLED] = flags["cancelled"]
     counts[BatchState.FINISHED] = flags["finished"]
-    for progress in open_progress(now):
+    if open_batches is None:
+        open_batches = open_progress(now)
+    for progress in open_batches:
         counts[progress.state] += 1
     return counts
 
 
-def open_progress(now: datetime, *, limit: int | None = None) -> list[Progress]:
+def open_progress(now: datetime) -> list[Progress]:
     """Progress of the unsettled batches, by priority then age."""
-    batches = unsettled_batches()
-    if limit is not None:
-        batches = batches[:limit]
-    batches = list(batches)
+    batches = list(unsettled_batches())
     progress = progress_for_many(batches, now=now)
     return [progress[b.pk] for b in batches]
 

@@ -128,7 +128,7 @@ USE_I18N = True
 USE_TZ = True
 
 LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "/"
+LOGIN_REDIRECT_URL = "overview"
 LOGOUT_REDIRECT_URL = "login"
 
 # --- Static files (whitenoise, hashed names) ----------------------------------

@@ -19,6 +19,8 @@ PAGES = [
     "/batches/{b}/progress.json",
     "/items/{i}/",
     "/workers/",
+    "/overview/",
+    "/overview/live",
 ]
 OPERATOR_PAGES = [
     "/batches/new/",
