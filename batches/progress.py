@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Max, Sum
+from django.db.models import Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models.functions import Coalesce
 
 from .models import Batch, BatchCounter, BatchMinute, ItemStatus
 
@@ -343,3 +344,63 @@ def _eta(
         f"{remaining} items left, at {rate * 60:.1f} items per minute finished "
         f"(done or failed) over the last {window}."
     )
+
+
+# --- Filtering by state, in SQL -----------------------------------------------------
+
+
+def in_state(batches: QuerySet, state: str, *, now: datetime) -> QuerySet:
+    """The batches of ``batches`` in ``state``, decided in the database by the
+    rules of ``batch_state`` and ``is_stalled`` (from the counters, the live
+    leases' heartbeats and the last finished minute), so a list can filter and
+    paginate without reading every batch's progress."""
+    from jobs.models import Job, JobStatus
+
+    counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
+    leased = Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
+    batches = batches.annotate(
+        remaining=Coalesce(
+            Subquery(
+                counters.annotate(n=Sum("queued") + Sum("transcribing")).values("n")
+            ),
+            0,
+        ),
+        in_flight=Coalesce(
+            Subquery(counters.annotate(n=Sum("transcribing")).values("n")), 0
+        ),
+    )
+    live = Q(cancelled_at__isnull=True, remaining__gt=0)
+    if state == BatchState.CANCELLED:
+        batches = batches.filter(cancelled_at__isnull=False)
+    elif state == BatchState.FINISHED:
+        batches = batches.filter(cancelled_at__isnull=True, remaining=0)
+    elif state == BatchState.PAUSED:
+        batches = batches.filter(live, paused_at__isnull=False)
+    elif state in (BatchState.RUNNING, BatchState.STALLED):
+        cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
+        batches = batches.annotate(
+            last_heartbeat=Subquery(
+                leased.values("batch").annotate(m=Max("heartbeat_at")).values("m")
+            ),
+            last_finish=Subquery(
+                BatchMinute.objects.filter(batch=OuterRef("pk"))
+                .values("batch")
+                .annotate(m=Max("minute"))
+                .values("m")
+            ),
+        )
+        quiet = (
+            Q(in_flight__gt=0)
+            & (Q(last_heartbeat__isnull=True) | Q(last_heartbeat__lt=cutoff))
+            & (
+                Q(last_finish__isnull=True)
+                | Q(last_finish__lt=cutoff - timedelta(minutes=1))
+            )
+        )
+        batches = batches.filter(live, paused_at__isnull=True)
+        batches = (
+            batches.filter(quiet)
+            if state == BatchState.STALLED
+            else batches.exclude(quiet)
+        )
+    return batches

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import wraps
 
 from django.conf import settings
@@ -20,8 +19,6 @@ from django.contrib.auth.decorators import login_required, permission_required
 from django.core.exceptions import RequestDataTooBig
 from django.core.paginator import Paginator
 from django.db import transaction
-from django.db.models import Max, OuterRef, Q, Subquery, Sum
-from django.db.models.functions import Coalesce
 from django.http import (
     Http404,
     HttpRequest,
@@ -36,16 +33,17 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
-from jobs.models import Event, Job, JobStatus
+from jobs.models import Event, Job
 
 from . import exports
 from .forms import ItemFilterForm, NewBatchForm
 from .intake import ManifestInvalid, create_batch
-from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
+from .models import Batch, BatchItem, ItemStatus
 from .progress import (
     BatchState,
     chart_geometry,
     format_duration,
+    in_state,
     progress_for,
     progress_for_many,
 )
@@ -85,58 +83,13 @@ def fragment(response: HttpResponse, *, final: bool) -> HttpResponse:
 
 def _batches(request: HttpRequest):
     """The filtered batches (state, name search), newest first."""
-    now = timezone.now()
-    counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
-    leased = Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
-    batches = Batch.objects.annotate(
-        remaining=Coalesce(
-            Subquery(
-                counters.annotate(n=Sum("queued") + Sum("transcribing")).values("n")
-            ),
-            0,
-        ),
-        in_flight=Coalesce(
-            Subquery(counters.annotate(n=Sum("transcribing")).values("n")), 0
-        ),
-    ).order_by("-created_at", "-pk")
+    batches = Batch.objects.order_by("-created_at", "-pk")
     q = request.GET.get("q", "").strip().replace("\x00", "")
     if q:
         batches = batches.filter(name__icontains=q)
     state = request.GET.get("state", "")
-    live = Q(cancelled_at__isnull=True, remaining__gt=0)
-    if state == BatchState.CANCELLED:
-        batches = batches.filter(cancelled_at__isnull=False)
-    elif state == BatchState.FINISHED:
-        batches = batches.filter(cancelled_at__isnull=True, remaining=0)
-    elif state == BatchState.PAUSED:
-        batches = batches.filter(live, paused_at__isnull=False)
-    elif state in (BatchState.RUNNING, BatchState.STALLED):
-        cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
-        batches = batches.annotate(
-            last_heartbeat=Subquery(
-                leased.values("batch").annotate(m=Max("heartbeat_at")).values("m")
-            ),
-            last_finish=Subquery(
-                BatchMinute.objects.filter(batch=OuterRef("pk"))
-                .values("batch")
-                .annotate(m=Max("minute"))
-                .values("m")
-            ),
-        )
-        quiet = (
-            Q(in_flight__gt=0)
-            & (Q(last_heartbeat__isnull=True) | Q(last_heartbeat__lt=cutoff))
-            & (
-                Q(last_finish__isnull=True)
-                | Q(last_finish__lt=cutoff - timedelta(minutes=1))
-            )
-        )
-        batches = batches.filter(live, paused_at__isnull=True)
-        batches = (
-            batches.filter(quiet)
-            if state == BatchState.STALLED
-            else batches.exclude(quiet)
-        )
+    if state in BatchState.ALL:
+        batches = in_state(batches, state, now=timezone.now())
     return batches, q, state
 
 

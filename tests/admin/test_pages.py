@@ -104,68 +104,6 @@ def test_a_batch_edits_only_its_name_and_priority(superuser_client, worker):
     )
 
 
-def test_batch_progress_comes_from_the_counters(superuser_client, worker):
-    batch = make_batch(5)
-    now = timezone.now()
-    done = Job.objects.claim_next(worker, now=now)
-    done.complete(done.lease_token, worker=worker, result={"text": "x"})
-    failed = Job.objects.claim_next(worker, now=now)
-    failed.fail(failed.lease_token, worker=worker, error="e", retryable=False)
-    Job.objects.claim_next(worker, now=now)
-    make_batch(1, name="other")
-
-    listing = superuser_client.get("/admin/batches/batch/")
-    page = superuser_client.get(f"/admin/batches/batch/{batch.pk}/change/")
-
-    [row] = [b for b in listing.context["cl"].result_list if b.pk == batch.pk]
-    counts = (
-        row.n_queued,
-        row.n_transcribing,
-        row.n_done,
-        row.n_failed,
-        row.n_cancelled,
-    )
-    assert counts == (2, 1, 1, 1, 0)
-    assert counts == tuple(
-        batch.counts()[s]
-        for s in ("queued", "transcribing", "done", "failed", "cancelled")
-    )
-    assert b"40.0%" in listing.content
-    assert b"running" in listing.content
-    shown = {
-        f.field["name"]: f.contents()
-        for fs in page.context["adminform"]
-        for line in fs
-        for f in line
-        if f.is_readonly
-    }
-    assert {
-        k: shown[k]
-        for k in (
-            "state",
-            "total",
-            "queued",
-            "transcribing",
-            "done",
-            "failed",
-            "cancelled",
-            "finished_percent",
-        )
-    } == {
-        "state": "running",
-        "total": "5",
-        "queued": "2",
-        "transcribing": "1",
-        "done": "1",
-        "failed": "1",
-        "cancelled": "0",
-        "finished_percent": "40.0%",
-    }
-    assert (
-        f'href="/admin/jobs/job/?batch__id__exact={batch.pk}"'.encode() in page.content
-    )
-
-
 def test_a_jobs_page_shows_its_history_and_links(staff, worker, superuser_client):
     batch = make_batch(1)
     job = Job.objects.claim_next(worker, now=timezone.now())
