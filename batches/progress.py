@@ -14,7 +14,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Max, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import (
+    BooleanField,
+    Count,
+    Exists,
+    ExpressionWrapper,
+    Max,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+)
 from django.db.models.functions import Coalesce
 
 from .models import Batch, BatchCounter, BatchMinute, ItemStatus
@@ -349,16 +360,24 @@ def _eta(
 # --- Filtering by state, in SQL -----------------------------------------------------
 
 
-def in_state(batches: QuerySet, state: str, *, now: datetime) -> QuerySet:
-    """The batches of ``batches`` in ``state``, decided in the database by the
-    rules of ``batch_state`` and ``is_stalled`` (from the counters, the live
-    leases' heartbeats and the last finished minute), so a list can filter and
-    paginate without reading every batch's progress."""
+def _state_inputs(batches: QuerySet, now: datetime) -> QuerySet:
+    """``batches`` with what their state is decided by: items remaining and
+    in flight (the counter rows), and whether anything happened recently (a
+    heartbeat of a live lease, or a finished item, within the stall window).
+    Each is an index probe per batch; the probes for recent activity stop at
+    the first match."""
     from jobs.models import Job, JobStatus
 
+    cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
     counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
-    leased = Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
-    batches = batches.annotate(
+    heartbeat = Job.objects.filter(
+        batch=OuterRef("pk"), status=JobStatus.LEASED, heartbeat_at__gte=cutoff
+    )
+    # A finish in minute m happened before m + 1 min (see progress_for_many).
+    finish = BatchMinute.objects.filter(
+        batch=OuterRef("pk"), minute__gte=cutoff - timedelta(minutes=1)
+    )
+    return batches.annotate(
         remaining=Coalesce(
             Subquery(
                 counters.annotate(n=Sum("queued") + Sum("transcribing")).values("n")
@@ -368,39 +387,38 @@ def in_state(batches: QuerySet, state: str, *, now: datetime) -> QuerySet:
         in_flight=Coalesce(
             Subquery(counters.annotate(n=Sum("transcribing")).values("n")), 0
         ),
+        active=ExpressionWrapper(
+            Exists(heartbeat) | Exists(finish), output_field=BooleanField()
+        ),
     )
+
+
+def _state_conditions() -> dict[str, Q]:
+    """``batch_state`` and ``is_stalled`` over ``_state_inputs``, in SQL."""
     live = Q(cancelled_at__isnull=True, remaining__gt=0)
-    if state == BatchState.CANCELLED:
-        batches = batches.filter(cancelled_at__isnull=False)
-    elif state == BatchState.FINISHED:
-        batches = batches.filter(cancelled_at__isnull=True, remaining=0)
-    elif state == BatchState.PAUSED:
-        batches = batches.filter(live, paused_at__isnull=False)
-    elif state in (BatchState.RUNNING, BatchState.STALLED):
-        cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
-        batches = batches.annotate(
-            last_heartbeat=Subquery(
-                leased.values("batch").annotate(m=Max("heartbeat_at")).values("m")
-            ),
-            last_finish=Subquery(
-                BatchMinute.objects.filter(batch=OuterRef("pk"))
-                .values("batch")
-                .annotate(m=Max("minute"))
-                .values("m")
-            ),
-        )
-        quiet = (
-            Q(in_flight__gt=0)
-            & (Q(last_heartbeat__isnull=True) | Q(last_heartbeat__lt=cutoff))
-            & (
-                Q(last_finish__isnull=True)
-                | Q(last_finish__lt=cutoff - timedelta(minutes=1))
-            )
-        )
-        batches = batches.filter(live, paused_at__isnull=True)
-        batches = (
-            batches.filter(quiet)
-            if state == BatchState.STALLED
-            else batches.exclude(quiet)
-        )
-    return batches
+    running = live & Q(paused_at__isnull=True)
+    quiet = Q(in_flight__gt=0, active=False)
+    return {
+        BatchState.CANCELLED: Q(cancelled_at__isnull=False),
+        BatchState.FINISHED: Q(cancelled_at__isnull=True, remaining=0),
+        BatchState.PAUSED: live & Q(paused_at__isnull=False),
+        BatchState.STALLED: running & quiet,
+        BatchState.RUNNING: running & ~quiet,
+    }
+
+
+def in_state(batches: QuerySet, state: str, *, now: datetime) -> QuerySet:
+    """The batches of ``batches`` in ``state``, decided in the database by the
+    rules of ``batch_state`` and ``is_stalled``, so a list can filter and
+    paginate without reading every batch's progress."""
+    return _state_inputs(batches, now).filter(_state_conditions()[state])
+
+
+def count_states(batches: QuerySet, *, now: datetime) -> dict[str, int]:
+    """How many of ``batches`` are in each state: one query."""
+    return _state_inputs(batches, now).aggregate(
+        **{
+            state: Count("pk", filter=condition)
+            for state, condition in _state_conditions().items()
+        }
+    )

@@ -23,6 +23,7 @@ from batches.progress import (
     BatchState,
     Progress,
     chart_bars,
+    count_states,
     minute_floor,
     progress_for_many,
 )
@@ -83,15 +84,12 @@ def unsettled_batches():
     ).order_by("-priority", "pk")
 
 
-def batch_states(
-    now: datetime, open_batches: list[Progress] | None = None
-) -> dict[str, int]:
-    """Batches per state, in the operator UI's words and by its rules
-    (``batches.progress.batch_state``). A cancelled batch is cancelled; one the
-    sweep marked finished has nothing queued or in flight (the sweep checks
-    that under the batch's lock, and a retry unmarks it under the same lock);
-    the others are read like the batch pages read them (``open_batches``:
-    ``open_progress(now)``, if the caller has it already)."""
+def batch_states(now: datetime) -> dict[str, int]:
+    """Batches per state, in the operator UI's words and by its rules (those
+    the batch list filters by: ``batches.progress.in_state``). A cancelled
+    batch is cancelled; one the sweep marked finished has nothing queued or in
+    flight (the sweep checks that under the batch's lock, and a retry unmarks
+    it under the same lock); only the others are looked at: two queries."""
     counts = dict.fromkeys(BatchState.ALL, 0)
     flags = Batch.objects.aggregate(
         cancelled=Count("pk", filter=Q(cancelled_at__isnull=False)),
@@ -101,10 +99,8 @@ def batch_states(
     )
     counts[BatchState.CANCELLED] = flags["cancelled"]
     counts[BatchState.FINISHED] = flags["finished"]
-    if open_batches is None:
-        open_batches = open_progress(now)
-    for progress in open_batches:
-        counts[progress.state] += 1
+    for state, n in count_states(unsettled_batches(), now=now).items():
+        counts[state] += n
     return counts
 
 
@@ -164,29 +160,27 @@ def worker_states(now: datetime) -> dict[str, int]:
     """Workers per state: busy, idle, offline (see ``WorkerState``).
 
     Busy means holding a live lease, as the rest of Recall counts it: a lease
-    stays live until it is reclaimed, even after its expiry.
+    stays live until it is reclaimed, even after its expiry. Two queries: the
+    holders from the live leases' index, the recently seen from the workers.
     """
-    holding = Job.objects.filter(leased_by=OuterRef("pk"))
-    counts = (
-        Worker.objects.annotate(holding=Exists(holding))
-        .order_by()
-        .aggregate(
-            total=Count("pk"),
-            busy=Count("pk", filter=Q(holding=True)),
-            idle=Count(
-                "pk",
-                filter=Q(
-                    holding=False,
-                    is_active=True,
-                    last_seen__gte=now - seen_recently(),
-                ),
-            ),
-        )
+    busy = (
+        Job.objects.filter(leased_by__isnull=False)
+        .values("leased_by")
+        .distinct()
+        .count()
+    )
+    counts = Worker.objects.aggregate(
+        total=Count("pk"),
+        idle=Count(
+            "pk",
+            filter=Q(is_active=True, last_seen__gte=now - seen_recently())
+            & ~Q(Exists(Job.objects.filter(leased_by=OuterRef("pk")))),
+        ),
     )
     return {
-        WorkerState.BUSY: counts["busy"],
+        WorkerState.BUSY: busy,
         WorkerState.IDLE: counts["idle"],
-        WorkerState.OFFLINE: counts["total"] - counts["busy"] - counts["idle"],
+        WorkerState.OFFLINE: counts["total"] - busy - counts["idle"],
     }
 
 

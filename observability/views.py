@@ -61,7 +61,7 @@ def _context(now: datetime) -> dict:
         "workers": fleet.worker_states(now),
         "seen_within": fleet.seen_recently().total_seconds(),
         "flaky": fleet.flaky_workers(),
-        "batch_states": fleet.batch_states(now, open_batches),
+        "batch_states": fleet.batch_states(now),
         "rows": in_progress[:OPEN_BATCHES_SHOWN],
         "more_batches": max(0, len(in_progress) - OPEN_BATCHES_SHOWN),
         "sweep_age": sweep_age,
