@@ -27,7 +27,7 @@ from datetime import datetime
 from functools import wraps
 
 from django.conf import settings
-from django.db import DatabaseError, InterfaceError, OperationalError
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -37,6 +37,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from batches.progress import BatchState
 from jobs import fleet
 from jobs.models import JobStatus
+from recall_site.middleware import DATABASE_DOWN
 
 from . import multiprocess
 
@@ -143,8 +144,6 @@ class DatabaseCollector:
 # Server time of a claim: about a millisecond when idle, up to a few hundred
 # under a sweep of thousands of expired leases (BENCHMARKS.md).
 CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-# What the API's error path turns into 503 (recall_site.middleware).
-DATABASE_DOWN = (OperationalError, InterfaceError)
 
 
 @dataclass(frozen=True)
@@ -188,7 +187,8 @@ def request_metrics() -> RequestMetrics:
 
 def observed(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
     """Count a worker API view's requests by endpoint (the view's name) and
-    status, and time claims. A lost database counts as the 503 it becomes."""
+    status, and time claims. A lost database counts as the 503 it becomes
+    (DatabaseUnavailableMiddleware)."""
     endpoint = view.__name__
 
     @wraps(view)

@@ -13,6 +13,9 @@ from . import health
 
 log = logging.getLogger("recall.site")
 
+# A lost or refused database connection: answered 503, not 500.
+DATABASE_DOWN = (OperationalError, InterfaceError)
+
 
 class HealthCheckMiddleware:
     """Answer /healthz and /readyz first, before host validation, sessions or
@@ -49,7 +52,7 @@ class DatabaseUnavailableMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request: HttpRequest, exception: Exception):
-        if not isinstance(exception, OperationalError | InterfaceError):
+        if not isinstance(exception, DATABASE_DOWN):
             return None
         log.error("database unavailable: %s", exception)
         if request.path.startswith("/api/"):
