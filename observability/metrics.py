@@ -46,17 +46,26 @@ from . import multiprocess
 # One function per metric family: it gets the scrape's ``now`` (the database's
 # clock) and returns the family. ``@family`` adds it to the scrape.
 #
-# The monotonic counters of lease endings and repairs (recall_leases_expired_total,
-# recall_leases_forced_total, recall_jobs_completed_total, recall_jobs_failed_total,
-# recall_reconcile_repairs_total{kind}) come from the transition layer's tally
-# table once it exists: each is then one more function here, e.g.
+# The monotonic counters pinned in issue 14 (recall_leases_expired_total,
+# recall_leases_forced_total, recall_jobs_completed_total,
+# recall_jobs_failed_total, recall_reconcile_repairs_total{kind}) come from the
+# transition layer's tally table (``jobs.models.Tally``: rows "leases_expired",
+# "leases_forced", "repairs:<kind>", ...). Each is one more function here, e.g.
 #
 #     @family
 #     def leases_expired(now: datetime) -> Metric:
+#         count = Tally.objects.filter(name="leases_expired").values_list(
+#             "count", flat=True
+#         ).first()
 #         return CounterMetricFamily(
-#             "recall_leases_expired", "Expired leases reclaimed (sweep or claim).",
-#             value=tallies["lease_expired"],
+#             "recall_leases_expired",
+#             "Expired leases reclaimed, by a sweep or a claim.",
+#             value=count or 0,
 #         )
+#
+# (a counter family is named without "_total"; prometheus_client adds it), and
+# its row in the README's metrics table; tests/test_deploy.py then drops it
+# from PENDING.
 
 Family = Callable[[datetime], Metric]
 FAMILIES: list[Family] = []

@@ -286,6 +286,8 @@ def test_a_dead_workers_requests_still_count(nodes):
 def test_every_line_is_json(nodes):
     a, _ = nodes
     assert a.request("/api/v1/claim", token="bad-token-0000", body={})[0] == 401
+    # (the process logs its access line just after answering)
+    a.wait_for(lambda: a.pids("/api/v1/claim"), "the access line")
 
     lines = a.lines()  # json.loads of every line: it raises on any other line
 
