@@ -226,7 +226,13 @@ class BatchAdmin(admin.ModelAdmin):
         template, context = self._progress_region(
             batch, progress_for(batch, now=timezone.now())
         )
-        return render_to_string(template, context)
+        # The refresh control sits beside the region, not in it (it survives
+        # the region's refreshes).
+        return format_html(
+            '<div class="recall-refresh">{}</div>{}',
+            render_to_string("_refresh.html"),
+            render_to_string(template, context),
+        )
 
     @admin.display(description="jobs")
     def jobs_column(self, batch: Batch) -> str:
