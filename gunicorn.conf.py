@@ -11,9 +11,16 @@ threads go on answering the worker API. With sync workers it held a whole
 process, and a handful of operators exporting at once held them all: heartbeats
 queued behind the exports and healthy leases expired. Each thread keeps its
 own persistent database connection (settings.py).
+
+The worker API's request metrics are prometheus_client multiprocess metrics:
+each worker writes its own files in ``PROMETHEUS_MULTIPROC_DIR`` (set here
+before any worker starts, emptied at start), and a worker that exits has its
+counts folded into an archive (``jobs/metric_files.py``).
 """
 
 import os
+import shutil
+import tempfile
 
 wsgi_app = "recall_site.wsgi:application"
 bind = os.environ.get("RECALL_BIND", "127.0.0.1:8000")
@@ -39,12 +46,25 @@ max_requests = 20_000
 max_requests_jitter = 2_000
 accesslog = os.environ.get("RECALL_ACCESS_LOG", "-")
 errorlog = "-"
+if os.environ.get("LOG_FORMAT", "text") == "json":
+    # One JSON object per line on stdout, error and access log alike.
+    from recall_site.logs import gunicorn_logging
+
+    logconfig_dict = gunicorn_logging(os.environ.get("LOG_LEVEL", "INFO"), accesslog)
+
+# One directory per server; by default a fresh one named after the master, which
+# a configuration reload (same master) finds again.
+OWN_METRICS_DIR = os.path.join(tempfile.gettempdir(), f"recall-metrics-{os.getpid()}")
+METRICS_DIR = os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", OWN_METRICS_DIR)
 
 # full: check every job and recount counters; quick: a normal sweep; off: none.
 STARTUP_SWEEP = os.environ.get("RECALL_STARTUP_SWEEP", "full")
 
 
 def on_starting(server):
+    from jobs import metric_files
+
+    metric_files.prepare(METRICS_DIR)
     if STARTUP_SWEEP == "off":
         return
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "recall_site.settings")
@@ -65,3 +85,14 @@ def on_starting(server):
     finally:
         # Never share a connection with forked workers: each opens its own.
         connections.close_all()
+
+
+def child_exit(server, worker):
+    from jobs import metric_files
+
+    metric_files.retire(worker.pid, METRICS_DIR)
+
+
+def on_exit(server):
+    if METRICS_DIR == OWN_METRICS_DIR:
+        shutil.rmtree(METRICS_DIR, ignore_errors=True)

@@ -6,8 +6,11 @@ here would have neither, so the admin cannot add one. Nor can it delete one:
 the delete page would list every item and job of a million-item batch, and
 deleting under live leases would leave workers with jobs that vanished (cancel
 the batch instead). Only a batch's name and its share of the workers (priority,
-weight, max in flight) are editable, the share through its transition; its
-progress comes read-only from the sharded counters, never from counting items.
+weight, max in flight) are editable, the share through its transition.
+
+Progress is the operator UI's: the same state, bar, counts, throughput and ETA
+(``batches.progress``, the same template fragments), refreshed in place by the
+same script (static/js/recall.js) with the same control, in the admin's colours.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.db.models import IntegerField, OuterRef, QuerySet, Subquery, Sum
-from django.db.models.functions import Coalesce
-from django.http import HttpRequest
+from django.contrib.admin.options import IncorrectLookupParameters
+from django.contrib.admin.utils import unquote
+from django.contrib.admin.views.main import PAGE_VAR, ChangeList
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.shortcuts import render
+from django.template.loader import render_to_string
+from django.urls import path
 from django.utils.html import format_html
 from django.utils.text import Truncator
 
@@ -32,63 +41,48 @@ from .admin_support import (
     id_search,
     link_to_id,
 )
-from .models import Batch, BatchCounter, BatchItem, ItemStatus
-
-PROGRESS = tuple(ItemStatus.values)  # queued, transcribing, done, failed, cancelled
-
-
-def _counter_sum(column: str) -> Coalesce:
-    """The sum of one counter column over a batch's shards (16 rows, on the
-    (batch, shard) unique index), for the batches of one page only."""
-    shards = (
-        BatchCounter.objects.filter(batch=OuterRef("pk"))
-        .order_by()
-        .values("batch")
-        .annotate(total=Sum(column))
-        .values("total")
-    )
-    return Coalesce(Subquery(shards, output_field=IntegerField()), 0)
-
-
-def batch_state(batch: Batch) -> str:
-    """Operator intent first: cancelled, then finished, paused, running."""
-    if batch.cancelled_at:
-        return "cancelled"
-    if batch.finished_at:
-        return "finished"
-    if batch.paused_at:
-        return "paused"
-    return "running"
+from .live import fragment
+from .models import Batch, BatchItem
+from .progress import (
+    BatchState,
+    Progress,
+    format_duration,
+    in_state,
+    progress_for,
+    progress_for_many,
+)
 
 
 class StateFilter(admin.SimpleListFilter):
+    """The operator UI's states, decided by the same rules (``in_state``)."""
+
     title = "state"
     parameter_name = "state"
 
     def lookups(self, request, model_admin) -> list[tuple[str, str]]:
-        return [(s, s) for s in ("running", "paused", "finished", "cancelled")]
+        return [(s, s) for s in BatchState.ALL]
 
     def queryset(self, request, queryset: QuerySet) -> QuerySet | None:
-        filters = {
-            "running": {
-                "cancelled_at__isnull": True,
-                "finished_at__isnull": True,
-                "paused_at__isnull": True,
-            },
-            "paused": {
-                "cancelled_at__isnull": True,
-                "finished_at__isnull": True,
-                "paused_at__isnull": False,
-            },
-            "finished": {"cancelled_at__isnull": True, "finished_at__isnull": False},
-            "cancelled": {"cancelled_at__isnull": False},
-        }
         value = self.value()
         if value is None:
             return None
-        if value not in filters:
+        if value not in BatchState.ALL:
             return queryset.none()
-        return queryset.filter(**filters[value])
+        return in_state(queryset, value, now=transitions.now())
+
+
+class ProgressChangeList(ChangeList):
+    """A page of batches, each with its ``progress`` (a few queries for the
+    whole page), and what the live region needs to fetch the page again."""
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        self.result_list = list(self.result_list)
+        progress = progress_for_many(self.result_list, now=transitions.now())
+        for batch in self.result_list:
+            batch.progress = progress[batch.pk]
+        self.final = all(p.is_final for p in progress.values())
+        self.live_query = self.get_query_string({PAGE_VAR: self.page_num})
 
 
 class BatchForm(forms.ModelForm):
@@ -117,9 +111,10 @@ class BatchAdmin(admin.ModelAdmin):
         "weight",
         "max_in_flight",
         "state",
-        "total",
-        *PROGRESS,
-        "finished_percent",
+        "progress_column",
+        "done_percent",
+        "throughput",
+        "eta",
         "created_at",
         "jobs_column",
     )
@@ -131,14 +126,12 @@ class BatchAdmin(admin.ModelAdmin):
     ordering = ("-pk",)
     fieldsets = (
         (None, {"fields": ("name", "priority", "weight", "max_in_flight")}),
-        (
-            "Progress (from the counters)",
-            {"fields": ("state", "total", *PROGRESS, "finished_percent")},
-        ),
+        ("Progress", {"fields": ("live_progress",)}),
         (
             "Details",
             {
                 "fields": (
+                    "total",
                     "created_at",
                     "created_by",
                     "total_ms",
@@ -157,20 +150,7 @@ class BatchAdmin(admin.ModelAdmin):
     )
 
     def get_queryset(self, request) -> QuerySet:
-        return (
-            super()
-            .get_queryset(request)
-            .select_related("created_by")
-            .annotate(**{f"n_{s}": _counter_sum(s) for s in PROGRESS})
-        )
-
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet, search_term: str
-    ) -> tuple[QuerySet, bool]:
-        by_id = id_search(queryset, search_term)
-        if by_id is not None:
-            return by_id, False
-        return super().get_search_results(request, queryset, search_term)
+        return super().get_queryset(request).select_related("created_by")
 
     def save_model(self, request, obj: Batch, form, change: bool) -> None:
         """The name is a plain field; priority, weight and max in flight change
@@ -185,45 +165,111 @@ class BatchAdmin(admin.ModelAdmin):
             actor=request.user,
         )
 
+    def get_changelist(self, request, **kwargs) -> type[ChangeList]:
+        return ProgressChangeList
+
+    def get_urls(self):
+        info = self.opts.app_label, self.opts.model_name
+        live = [
+            path(
+                "live/",
+                self.admin_site.admin_view(self.changelist_live),
+                name="{}_{}_live".format(*info),
+            ),
+            path(
+                "<path:object_id>/progress/",
+                self.admin_site.admin_view(self.progress_live),
+                name="{}_{}_progress".format(*info),
+            ),
+        ]
+        return live + super().get_urls()
+
+    # The live regions: the list's results and a batch's progress, fetched again
+    # by static/js/recall.js (286 once nothing will change).
+
+    def changelist_live(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        try:
+            changelist = self.get_changelist_instance(request)
+        except IncorrectLookupParameters:
+            return HttpResponseBadRequest("Unknown filter.", content_type="text/plain")
+        changelist.formset = None  # nothing is editable in the list
+        response = render(
+            request,
+            "admin/batches/batch/_results_live.html",
+            {"cl": changelist, "opts": self.opts},
+        )
+        return fragment(response, final=getattr(changelist, "final", False))
+
+    def progress_live(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        batch = self.get_object(request, unquote(object_id))
+        if batch is None:
+            raise Http404("No such batch.")
+        if not self.has_view_or_change_permission(request, batch):
+            raise PermissionDenied
+        progress = progress_for(batch, now=transitions.now())
+        response = render(request, *self._progress_region(batch, progress))
+        return fragment(response, final=progress.is_final)
+
+    @staticmethod
+    def _progress_region(batch: Batch, progress: Progress) -> tuple[str, dict]:
+        return (
+            "admin/batches/batch/_progress_live.html",
+            {"batch": batch, "progress": progress},
+        )
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet, search_term: str
+    ) -> tuple[QuerySet, bool]:
+        by_id = id_search(queryset, search_term)
+        if by_id is not None:
+            return by_id, False
+        return super().get_search_results(request, queryset, search_term)
+
     def has_add_permission(self, request) -> bool:
         return False
 
     def has_delete_permission(self, request, obj=None) -> bool:
         return False
 
-    # Progress: annotated from the counters (get_queryset), list and change page;
-    # ``batch`` is a Batch with ``n_<status>`` annotations.
+    # Progress, on the list (``ProgressChangeList`` gave every row its own) and
+    # on the change page (a live region).
 
     @admin.display(description="state")
-    def state(self, batch: Batch) -> str:
-        return batch_state(batch)
+    def state(self, batch: Any) -> str:
+        return render_to_string("batches/_state.html", {"state": batch.progress.state})
 
-    @admin.display(description="queued", ordering="n_queued")
-    def queued(self, batch: Any) -> int:
-        return batch.n_queued
+    @admin.display(description="progress")
+    def progress_column(self, batch: Any) -> str:
+        return render_to_string(
+            "admin/batches/batch/_row_progress.html", {"progress": batch.progress}
+        )
 
-    @admin.display(description="transcribing", ordering="n_transcribing")
-    def transcribing(self, batch: Any) -> int:
-        return batch.n_transcribing
+    @admin.display(description="done")
+    def done_percent(self, batch: Any) -> str:
+        return f"{batch.progress.percent_done:.1f}%"
 
-    @admin.display(description="done", ordering="n_done")
-    def done(self, batch: Any) -> int:
-        return batch.n_done
+    @admin.display(description="throughput")
+    def throughput(self, batch: Any) -> str:
+        return f"{batch.progress.throughput_per_minute:.1f}/min"
 
-    @admin.display(description="failed", ordering="n_failed")
-    def failed(self, batch: Any) -> int:
-        return batch.n_failed
+    @admin.display(description="ETA")
+    def eta(self, batch: Any) -> str:
+        return format_duration(batch.progress.eta_seconds)
 
-    @admin.display(description="cancelled", ordering="n_cancelled")
-    def cancelled(self, batch: Any) -> int:
-        return batch.n_cancelled
-
-    @admin.display(description="finished")
-    def finished_percent(self, batch: Any) -> str:
-        if not batch.total:
-            return "-"
-        finished = batch.n_done + batch.n_failed + batch.n_cancelled
-        return f"{100 * finished / batch.total:.1f}%"
+    @admin.display(description="progress")
+    def live_progress(self, batch: Batch) -> str:
+        template, context = self._progress_region(
+            batch, progress_for(batch, now=transitions.now())
+        )
+        # The refresh control sits beside the region, not in it (it survives
+        # the region's refreshes).
+        return format_html(
+            '<div class="recall-refresh">{}</div>{}',
+            render_to_string("_refresh.html"),
+            render_to_string(template, context),
+        )
 
     @admin.display(description="jobs")
     def jobs_column(self, batch: Batch) -> str:

@@ -14,7 +14,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Max, Sum
+from django.db.models import (
+    BooleanField,
+    Count,
+    Exists,
+    ExpressionWrapper,
+    Max,
+    OuterRef,
+    Q,
+    QuerySet,
+    Subquery,
+    Sum,
+)
+from django.db.models.functions import Coalesce
 
 from .models import Batch, BatchCounter, BatchMinute, ItemStatus
 
@@ -83,6 +95,21 @@ def percent(part: int, total: int) -> float:
     return round(100 * part / total, 1) if total > 0 else 0.0
 
 
+# The segmented bar's order: finished first, then in flight, waiting, cancelled.
+SEGMENT_ORDER = (
+    ItemStatus.DONE,
+    ItemStatus.FAILED,
+    ItemStatus.TRANSCRIBING,
+    ItemStatus.QUEUED,
+    ItemStatus.CANCELLED,
+)
+
+
+def segments(counts: dict[str, int], total: int) -> list[tuple[str, int, float]]:
+    """(status, count, percent of total) for a segmented bar of items."""
+    return [(s, counts[s], percent(counts[s], total)) for s in SEGMENT_ORDER]
+
+
 def window_seconds(
     now: datetime, window_start: datetime, created_at: datetime
 ) -> float:
@@ -103,6 +130,30 @@ def chart_bars(
         (m, done_by_minute.get(m, 0))
         for m in (last - timedelta(minutes=i) for i in range(minutes - 1, -1, -1))
     ]
+
+
+def chart_geometry(bars: list[tuple[datetime, int]]) -> dict:
+    """Geometry of the throughput chart (an inline SVG, one bar per minute)."""
+    width, height, gap = 600, 120, 2
+    top = max((n for _, n in bars), default=0)
+    bar = width / max(len(bars), 1)
+    return {
+        "width": width,
+        "height": height,
+        "top": top,
+        "total": sum(n for _, n in bars),
+        "bars": [
+            {
+                "x": round(i * bar, 1),
+                "w": round(bar - gap, 1),
+                "h": round(height * n / top, 1) if top else 0,
+                "y": round(height - (height * n / top), 1) if top else height,
+                "n": n,
+                "minute": minute,
+            }
+            for i, (minute, n) in enumerate(bars)
+        ],
+    }
 
 
 def format_duration(seconds: float | None) -> str:
@@ -155,14 +206,7 @@ class Progress:
     @property
     def segments(self) -> list[tuple[str, int, float]]:
         """(status, count, percent of total) for the segmented bar."""
-        order = (
-            ItemStatus.DONE,
-            ItemStatus.FAILED,
-            ItemStatus.TRANSCRIBING,
-            ItemStatus.QUEUED,
-            ItemStatus.CANCELLED,
-        )
-        return [(s, self.counts[s], percent(self.counts[s], self.total)) for s in order]
+        return segments(self.counts, self.total)
 
     @property
     def bar(self) -> list[dict]:
@@ -327,4 +371,71 @@ def _eta(
     return eta, (
         f"{remaining} items left, at {rate * 60:.1f} items per minute finished "
         f"(done or failed) over the last {window}."
+    )
+
+
+# --- Filtering by state, in SQL -----------------------------------------------------
+
+
+def _state_inputs(batches: QuerySet, now: datetime) -> QuerySet:
+    """``batches`` with what their state is decided by: items remaining and
+    in flight (the counter rows), and whether anything happened recently (a
+    heartbeat of a live lease, or a finished item, within the stall window).
+    Each is an index probe per batch; the probes for recent activity stop at
+    the first match."""
+    from jobs.models import Job, JobStatus
+
+    cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
+    counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
+    heartbeat = Job.objects.filter(
+        batch=OuterRef("pk"), status=JobStatus.LEASED, heartbeat_at__gte=cutoff
+    )
+    # A finish in minute m happened before m + 1 min (see progress_for_many).
+    finish = BatchMinute.objects.filter(
+        batch=OuterRef("pk"), minute__gte=cutoff - timedelta(minutes=1)
+    )
+    return batches.annotate(
+        remaining=Coalesce(
+            Subquery(
+                counters.annotate(n=Sum("queued") + Sum("transcribing")).values("n")
+            ),
+            0,
+        ),
+        in_flight=Coalesce(
+            Subquery(counters.annotate(n=Sum("transcribing")).values("n")), 0
+        ),
+        active=ExpressionWrapper(
+            Exists(heartbeat) | Exists(finish), output_field=BooleanField()
+        ),
+    )
+
+
+def _state_conditions() -> dict[str, Q]:
+    """``batch_state`` and ``is_stalled`` over ``_state_inputs``, in SQL."""
+    live = Q(cancelled_at__isnull=True, remaining__gt=0)
+    running = live & Q(paused_at__isnull=True)
+    quiet = Q(in_flight__gt=0, active=False)
+    return {
+        BatchState.CANCELLED: Q(cancelled_at__isnull=False),
+        BatchState.FINISHED: Q(cancelled_at__isnull=True, remaining=0),
+        BatchState.PAUSED: live & Q(paused_at__isnull=False),
+        BatchState.STALLED: running & quiet,
+        BatchState.RUNNING: running & ~quiet,
+    }
+
+
+def in_state(batches: QuerySet, state: str, *, now: datetime) -> QuerySet:
+    """The batches of ``batches`` in ``state``, decided in the database by the
+    rules of ``batch_state`` and ``is_stalled``, so a list can filter and
+    paginate without reading every batch's progress."""
+    return _state_inputs(batches, now).filter(_state_conditions()[state])
+
+
+def count_states(batches: QuerySet, *, now: datetime) -> dict[str, int]:
+    """How many of ``batches`` are in each state: one query."""
+    return _state_inputs(batches, now).aggregate(
+        **{
+            state: Count("pk", filter=condition)
+            for state, condition in _state_conditions().items()
+        }
     )

@@ -21,8 +21,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.exceptions import RequestDataTooBig
 from django.core.paginator import Paginator
-from django.db.models import Max, OuterRef, Q, Subquery, Sum
-from django.db.models.functions import Coalesce
+from django.db.models import QuerySet
 from django.http import (
     Http404,
     HttpRequest,
@@ -45,27 +44,24 @@ from .background import stale_after, start_intake
 from .forms import ItemFilterForm, NewBatchForm, ShareForm
 from .intake import LineError, ManifestInvalid, create_batch
 from .intakes import Intake, IntakeStatus
-from .models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
-from .progress import BatchState, format_duration, progress_for, progress_for_many
+from .live import fragment
+from .models import Batch, BatchItem, ItemStatus
+from .progress import (
+    BatchState,
+    chart_geometry,
+    format_duration,
+    in_state,
+    progress_for,
+    progress_for_many,
+)
 from .roles import viewer_required
 from .uploads import ManifestSizeLimit, ManifestTooLarge
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
-# Status code that tells the refreshing script (and htmx) to stop polling.
-STOP_POLLING = 286
 # A request starts no new chunk of a bulk action after this long (gunicorn's
 # timeout is 60 s); reconciliation finishes a cancel that was cut short.
 ACTION_SECONDS = 20
-
-
-def fragment(response: HttpResponse, *, final: bool) -> HttpResponse:
-    """Mark a live fragment; 286 when it will not change any more."""
-    response["X-Recall-Fragment"] = "1"
-    response["Cache-Control"] = "no-store"
-    if final:
-        response.status_code = STOP_POLLING
-    return response
 
 
 # --- Batches list ------------------------------------------------------------------
@@ -73,58 +69,13 @@ def fragment(response: HttpResponse, *, final: bool) -> HttpResponse:
 
 def _batches(request: HttpRequest):
     """The filtered batches (state, name search), newest first."""
-    now = transitions.now()
-    counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
-    leased = Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
-    batches = Batch.objects.annotate(
-        remaining=Coalesce(
-            Subquery(
-                counters.annotate(n=Sum("queued") + Sum("transcribing")).values("n")
-            ),
-            0,
-        ),
-        in_flight=Coalesce(
-            Subquery(counters.annotate(n=Sum("transcribing")).values("n")), 0
-        ),
-    ).order_by("-created_at", "-pk")
+    batches: QuerySet[Batch] = Batch.objects.order_by("-created_at", "-pk")
     q = request.GET.get("q", "").strip().replace("\x00", "")
     if q:
         batches = batches.filter(name__icontains=q)
     state = request.GET.get("state", "")
-    live = Q(cancelled_at__isnull=True, remaining__gt=0)
-    if state == BatchState.CANCELLED:
-        batches = batches.filter(cancelled_at__isnull=False)
-    elif state == BatchState.FINISHED:
-        batches = batches.filter(cancelled_at__isnull=True, remaining=0)
-    elif state == BatchState.PAUSED:
-        batches = batches.filter(live, paused_at__isnull=False)
-    elif state in (BatchState.RUNNING, BatchState.STALLED):
-        cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
-        batches = batches.annotate(
-            last_heartbeat=Subquery(
-                leased.values("batch").annotate(m=Max("heartbeat_at")).values("m")
-            ),
-            last_finish=Subquery(
-                BatchMinute.objects.filter(batch=OuterRef("pk"))
-                .values("batch")
-                .annotate(m=Max("minute"))
-                .values("m")
-            ),
-        )
-        quiet = (
-            Q(in_flight__gt=0)
-            & (Q(last_heartbeat__isnull=True) | Q(last_heartbeat__lt=cutoff))
-            & (
-                Q(last_finish__isnull=True)
-                | Q(last_finish__lt=cutoff - timedelta(minutes=1))
-            )
-        )
-        batches = batches.filter(live, paused_at__isnull=True)
-        batches = (
-            batches.filter(quiet)
-            if state == BatchState.STALLED
-            else batches.exclude(quiet)
-        )
+    if state in BatchState.ALL:
+        batches = in_state(batches, state, now=transitions.now())
     return batches, q, state
 
 
@@ -227,8 +178,7 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
     return {
         "batch": batch,
         "progress": progress,
-        "eta_text": format_duration(progress.eta_seconds),
-        "chart": _chart(progress.chart) if chart else None,
+        "chart": chart_geometry(progress.chart) if chart else None,
         "form": form,
         "page": page,
         "filtered": bool(
@@ -259,30 +209,6 @@ def _without(request: HttpRequest, *names: str) -> str:
     for name in names:
         params.pop(name, None)
     return params.urlencode()
-
-
-def _chart(bars) -> dict:
-    """Geometry of the throughput chart (an inline SVG, one bar per minute)."""
-    width, height, gap = 600, 120, 2
-    top = max((n for _, n in bars), default=0)
-    bar = width / max(len(bars), 1)
-    return {
-        "width": width,
-        "height": height,
-        "top": top,
-        "total": sum(n for _, n in bars),
-        "bars": [
-            {
-                "x": round(i * bar, 1),
-                "w": round(bar - gap, 1),
-                "h": round(height * n / top, 1) if top else 0,
-                "y": round(height - (height * n / top), 1) if top else height,
-                "n": n,
-                "minute": minute,
-            }
-            for i, (minute, n) in enumerate(bars)
-        ],
-    }
 
 
 @require_GET

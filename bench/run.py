@@ -49,6 +49,15 @@ class Sizes:
     exports: int = 10
     heartbeaters: int = 32
     heartbeat_interval: float = 1.0
+    scrapes: int = 30
+    mix_finished: int = 40
+    mix_open: int = 10
+    fleet_workers: int = 1_000
+    fleet_poll_min: float = 1.0
+    fleet_poll_max: float = 30.0
+    fleet_baseline_seconds: float = 20.0
+    fleet_cpu_seconds: float = 60.0
+    fleet_trials: int = 8
 
     @classmethod
     def quick(cls, processes: int) -> Sizes:
@@ -73,6 +82,15 @@ class Sizes:
             exports=2,
             heartbeaters=4,
             heartbeat_interval=0.2,
+            scrapes=3,
+            mix_finished=2,
+            mix_open=2,
+            fleet_workers=40,
+            fleet_poll_min=0.2,
+            fleet_poll_max=1.0,
+            fleet_baseline_seconds=1.0,
+            fleet_cpu_seconds=2.0,
+            fleet_trials=2,
         )
 
 
@@ -95,6 +113,7 @@ class Bench:
     figures: dict[str, float] = field(default_factory=dict)
     server: object = None  # the gunicorn process, while it runs
     server_port: int = 0
+    postmaster: int | None = None  # the private PostgreSQL server's, if any
 
     def add(self, number, scenario, figure, value, target="", verdict=None):
         ok = "" if verdict is None else ("ok" if verdict else "MISSED")
@@ -137,6 +156,7 @@ def _setup_django(database_url: str) -> None:
     os.environ["RECALL_HTTPS"] = "off"
     os.environ.setdefault("LOG_LEVEL", "WARNING")
     os.environ["CONN_MAX_AGE"] = "600"
+    os.environ["RECALL_METRICS_TOKEN"] = secrets.token_urlsafe(24)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "recall_site.settings")
     import django
 
@@ -359,9 +379,11 @@ def peers(bench: Bench) -> None:
             )
 
 
-def idle(bench: Bench) -> None:
-    """5: claims on an empty queue with a million finished jobs and live leases."""
-    from bench import loops, seed
+def _seed_million(bench: Bench) -> int:
+    """Empty the tables, then a batch of a million finished jobs and 10,000
+    live leases (held for an hour): the production-sized table the idle,
+    sweep, progress and metrics scenarios read."""
+    from bench import seed
     from bench.loops import utcnow
 
     seed.reset()
@@ -377,6 +399,24 @@ def idle(bench: Bench) -> None:
         worker=holder,
     )
     bench.figures["big_batch"] = big.pk
+    return big.pk
+
+
+def _million(bench: Bench) -> int:
+    """The million-job batch, seeded again if a later scenario emptied the tables."""
+    from batches.models import Batch
+
+    big = bench.figures.get("big_batch")
+    if big is not None and Batch.objects.filter(pk=big).exists():
+        return big
+    return _seed_million(bench)
+
+
+def idle(bench: Bench) -> None:
+    """5: claims on an empty queue with a million finished jobs and live leases."""
+    from bench import loops
+
+    _seed_million(bench)
     workers = _workers(bench.p)
     latencies: list[float] = []
     rates = []
@@ -855,6 +895,258 @@ def _workers_named(prefix: str, n: int):
     return seed.workers(n, prefix=prefix)
 
 
+def _cpu_seconds(root: int) -> float:
+    """CPU time (s) of a process and all its descendants, the exited ones too
+    (a parent's cutime/cstime holds its reaped children's)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # ppid; utime + stime + cutime + cstime
+        table[int(entry)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in table:
+            total += table[pid][1]
+            stack.extend(children.get(pid, []))
+    return total / tick
+
+
+def _server_cpu(bench: Bench, seconds: float) -> dict[str, float]:
+    """Percent of one core that gunicorn (master and workers) and the private
+    PostgreSQL server (every backend) used over the next ``seconds``."""
+    roots = {"gunicorn": bench.server.pid}
+    if bench.postmaster:
+        roots["PostgreSQL"] = bench.postmaster
+    before = {name: _cpu_seconds(pid) for name, pid in roots.items()}
+    started = time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - started
+    return {
+        name: 100 * (_cpu_seconds(pid) - before[name]) / elapsed
+        for name, pid in roots.items()
+    }
+
+
+def _fleet_workers(bench: Bench) -> list:
+    from bench import seed
+
+    if "fleet" not in bench.figures:
+        bench.figures["fleet"] = seed.workers(bench.sizes.fleet_workers, prefix="fleet")
+    return bench.figures["fleet"]
+
+
+def metrics_scrape(bench: Bench) -> None:
+    """13: GET /metrics with a million jobs, as Prometheus scrapes it."""
+    import http.client
+
+    from django.db.models import Count
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batches.models import Batch
+    from bench import loops, seed
+    from bench.loops import utcnow
+    from jobs.models import Job, Worker
+
+    _million(bench)
+    now = utcnow()
+    sizes = bench.sizes
+    if not Batch.objects.filter(name__startswith="bench-mix-").exists():
+        for i in range(sizes.mix_finished):
+            seed.batch(f"bench-mix-done-{i}", now=now, completed=200)
+        for i in range(sizes.mix_open):
+            seed.batch(f"bench-mix-open-{i}", now=now, completed=100, queued=400)
+    fleet = _fleet_workers(bench)
+    Worker.objects.filter(pk__in=[w.pk for w, _ in fleet[::2]]).update(last_seen=now)
+    token = os.environ["RECALL_METRICS_TOKEN"]
+
+    def scrape() -> tuple[float, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", bench.server_port)
+        started = time.perf_counter()
+        connection.request(
+            "GET", "/metrics", headers={"Authorization": f"Bearer {token}"}
+        )
+        response = connection.getresponse()
+        body = response.read()
+        took = time.perf_counter() - started
+        connection.close()
+        if response.status != 200:
+            raise RuntimeError(f"GET /metrics answered {response.status}: {body[:200]}")
+        return took, body
+
+    for _ in range(10):  # every gunicorn process answers its first request
+        scrape()
+    # The stall check reads a batch's live leases until it finds a recent
+    # heartbeat: with silent leases (a stalled batch) it reads all of them.
+    big = Job.objects.filter(batch_id=bench.figures["big_batch"], status="leased")
+    big.update(heartbeat_at=now - timedelta(minutes=10))
+    silent = [scrape()[0] for _ in range(sizes.scrapes)]
+    big.update(heartbeat_at=utcnow())  # workers heartbeating, as they do
+    quiet = [scrape()[0] for _ in range(sizes.scrapes)]
+    body = scrape()[1]
+    shown = {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(body.decode())
+        if family.name == "recall_jobs"
+        for sample in family.samples
+    }
+    # The CPU a scrape costs, app and database: unlike its wall time, it does
+    # not grow when other processes share the cores.
+    from django.db import connection
+    from django.test import Client
+
+    client = Client(HTTP_HOST="127.0.0.1")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = cursor.fetchone()[0]
+    client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")  # loads the URLs
+    # /proc counts in ticks (10 ms): the database's share is taken over them all.
+    app, database = time.process_time(), _cpu_seconds(backend)
+    for _ in range(sizes.scrapes):
+        response = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")
+        if response.status_code != 200:
+            raise RuntimeError(f"GET /metrics answered {response.status_code}")
+    app = (time.process_time() - app) / sizes.scrapes
+    database = (_cpu_seconds(backend) - database) / sizes.scrapes
+    fresh = dict(Job.objects.values_list("status").annotate(n=Count("pk")).order_by())
+    exact = all(shown[s] == fresh.get(s, 0) for s in shown)
+    jobs = sum(fresh.values())
+
+    load = seed.batch(
+        "bench-scrape-load", now=now, queued=sizes.throughput_jobs, priority=10
+    )
+    going = threading.Event()
+    thread = threading.Thread(
+        target=loops.run,
+        args=("model", [{"worker": w.pk} for w, _ in _workers(bench.p)]),
+        kwargs={"duration": max(3.0, sizes.throughput_seconds), "started": going},
+    )
+    thread.start()
+    going.wait(timeout=180)
+    time.sleep(0.3)
+    loaded = [scrape()[0] for _ in range(sizes.scrapes)]
+    thread.join()
+    Batch.objects.filter(pk=load.pk).update(paused_at=utcnow())
+
+    label = (
+        f"{jobs:,} jobs ({sizes.live_leases:,} leased), {Batch.objects.count()} "
+        f"batches, {Worker.objects.count():,} workers"
+    )
+    median = statistics.median(quiet)
+    bench.add(
+        "13",
+        "metrics",
+        f"GET /metrics over HTTP, median (max), {label}",
+        f"{_ms(median)} ({_ms(max(quiet))})",
+        "< 50 ms",
+        median < 0.05,
+    )
+    bench.add(
+        "13",
+        "metrics",
+        f"CPU per scrape, mean of {sizes.scrapes}: app + database",
+        f"{_ms(app + database)} ({_ms(app)} + {_ms(database)})",
+    )
+    bench.add(
+        "13",
+        "metrics",
+        f"the same with the {bench.sizes.live_leases:,} leases silent (stalled)",
+        f"{_ms(statistics.median(silent))} ({_ms(max(silent))})",
+    )
+    bench.add(
+        "13",
+        "metrics",
+        f"the same while P={bench.p} workers claim and complete",
+        f"{_ms(statistics.median(loaded))} ({_ms(max(loaded))})",
+    )
+    bench.add(
+        "13",
+        "metrics",
+        "recall_jobs equals a fresh count of the jobs",
+        "yes" if exact else "NO",
+        "exact",
+        exact,
+    )
+
+
+def idle_fleet(bench: Bench) -> None:
+    """14: a thousand idle workers polling an empty queue, as the reference
+    worker does (poll-min 1 s, poll-max 30 s, jittered)."""
+    import random
+
+    from batches.intake import create_batch
+    from batches.models import Batch
+    from bench.fleet import Fleet
+    from bench.loops import utcnow
+    from jobs import transitions
+
+    sizes = bench.sizes
+    _million(bench)  # production-sized tables, nothing claimable in them
+    Batch.objects.filter(
+        paused_at__isnull=True, cancelled_at__isnull=True, finished_at__isnull=True
+    ).exclude(pk=bench.figures["big_batch"]).update(paused_at=utcnow())
+    tokens = [token for _, token in _fleet_workers(bench)]
+    baseline = _server_cpu(bench, sizes.fleet_baseline_seconds)
+    fleet = Fleet(
+        "127.0.0.1",
+        bench.server_port,
+        tokens,
+        poll_min=sizes.fleet_poll_min,
+        poll_max=sizes.fleet_poll_max,
+    )
+    fleet.start()
+    waits: list[float] = []
+    try:
+        time.sleep(sizes.fleet_poll_max)  # every worker has polled: steady state
+        polls = fleet.polls.value
+        cpu = _server_cpu(bench, sizes.fleet_cpu_seconds)
+        rate = (fleet.polls.value - polls) / sizes.fleet_cpu_seconds
+        for trial in range(sizes.fleet_trials):
+            # Long enough for the last claimer to be back at poll-max; a random
+            # phase of the fleet's polls.
+            time.sleep(random.uniform(1.5, 2.0) * sizes.fleet_poll_max)
+            line = [f"s3://bench/fleet/{trial}.wav\n"]
+            batch = create_batch(f"bench-fleet-{trial}", lambda line=line: iter(line))
+            created = time.time()
+            claimed, _ = fleet.next_claim(timeout=10 * sizes.fleet_poll_max)
+            waits.append(claimed - created)
+            time.sleep(0.5)  # its completion, then what the sweep would do
+            transitions.settle(Batch.objects.filter(pk=batch.pk), now=utcnow())
+        errors = fleet.errors.value
+    finally:
+        fleet.stop()
+    if errors:
+        raise RuntimeError(f"the idle fleet got {errors} answers but 204 and 200")
+    total = sum(cpu.values())
+    parts = " + ".join(f"{name} {share:.1f}%" for name, share in cpu.items())
+    idle_parts = " + ".join(f"{share:.1f}%" for share in baseline.values())
+    bench.add(
+        "14",
+        "idle fleet",
+        f"server CPU, {len(tokens):,} workers polling ({rate:.0f} claims/s; "
+        f"{idle_parts} without them)",
+        f"{total:.1f}% of one core ({parts})",
+        "<= 10% of one core",
+        total <= 10,
+    )
+    bench.add(
+        "14",
+        "idle fleet",
+        f"a new batch's wait for its first claim, median (max) of {len(waits)}",
+        f"{_ms(statistics.median(waits))} ({_ms(max(waits))})",
+    )
+
+
 SCENARIOS = {
     "1": throughput,
     "4": peers,
@@ -865,6 +1157,8 @@ SCENARIOS = {
     "10": sustained,
     "11": fair_share,
     "12": exports_vs_heartbeats,
+    "13": metrics_scrape,
+    "14": idle_fleet,
 }
 # 2, 3 and 8 are measured with 1, interleaved with it.
 ALIASES = {"2": "1", "3": "1", "8": "1"}
@@ -921,7 +1215,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _setup_django(database_url)
         bench = Bench(sizes, database_url, wanted)
-        if {"3", "8"} & wanted:
+        if server is not None:
+            bench.postmaster = int(
+                (server.data / "postmaster.pid").read_text().split()[0]
+            )
+        if {"3", "8", "13", "14"} & wanted:
             _start_gunicorn(bench)
         try:
             for number, scenario in SCENARIOS.items():
@@ -931,9 +1229,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             _stop_gunicorn(bench)
         print_table(bench)
+        load = ", ".join(f"{n:.1f}" for n in os.getloadavg())
         print(
             f"\nP={sizes.processes}, {sizes.runs} run(s) per figure, "
-            f"{time.monotonic() - started:.0f} s in all."
+            f"{time.monotonic() - started:.0f} s in all; load average at the end "
+            f"{load} on {os.cpu_count()} cores."
         )
     finally:
         if server is not None:

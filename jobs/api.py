@@ -24,6 +24,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from . import transitions
 from .exceptions import LeaseLost
+from .metrics import observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
 from .transitions.rules import heartbeat_interval
@@ -92,7 +93,7 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
             return error_response(409, "lease_lost", str(error))
         # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
-    return wrapper
+    return observed(wrapper)
 
 
 def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from django.db import InterfaceError, OperationalError
+
+# What a lost or refused database connection raises: a 503, not a 500.
+DATABASE_DOWN = (InterfaceError, OperationalError)
+
 
 class LeaseLost(Exception):
     """The caller does not hold a live lease on the job (stale, wrong or reclaimed

@@ -262,6 +262,12 @@ class Lease(models.Model):
     class Meta:
         indexes = [
             models.Index(fields=["worker", "end_reason"], name="lease_worker_end"),
+            # Leases that ended badly, by time (the overview's last hour and day).
+            models.Index(
+                fields=["end_reason", "ended_at"],
+                name="lease_abnormal_end",
+                condition=Q(end_reason__in=[LeaseEnd.EXPIRED, LeaseEnd.FORCED]),
+            ),
         ]
         constraints = [
             models.UniqueConstraint(

@@ -11,10 +11,8 @@ from django.views.decorators.http import require_GET
 from batches.roles import viewer_required
 
 from . import transitions
+from .fleet import FLAKY_MIN_EXPIRED, FLAKY_SHARE, expired_share, is_flaky
 from .models import Job, JobStatus, Lease, LeaseEnd, Worker
-
-FLAKY_MIN_EXPIRED = 3
-FLAKY_SHARE = 20  # percent of its finished leases
 
 
 def _ended(reason: str):
@@ -64,17 +62,21 @@ def worker_list(request: HttpRequest) -> HttpResponse:
     rows = []
     for worker in workers:
         ended = worker.lease_count - len(worker.current_jobs.all())
-        share = round(100 * worker.expired / ended) if ended > 0 else 0
         rows.append(
             {
                 "worker": worker,
-                "expired_share": share,
-                # A box whose leases keep running out (crashes, power, network).
-                "flaky": worker.expired >= FLAKY_MIN_EXPIRED and share >= FLAKY_SHARE,
+                "expired_share": expired_share(worker.expired, ended),
+                "flaky": is_flaky(worker.expired, ended),
             }
         )
     return render(
         request,
         "jobs/workers.html",
-        {"rows": rows, "now": transitions.now(), "nav": "workers"},
+        {
+            "rows": rows,
+            "now": transitions.now(),
+            "nav": "workers",
+            "flaky_min_expired": FLAKY_MIN_EXPIRED,
+            "flaky_share": FLAKY_SHARE,
+        },
     )

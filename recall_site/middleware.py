@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import logging
 
-from django.db import InterfaceError, OperationalError
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
+
+from jobs.exceptions import DATABASE_DOWN
+from jobs.metrics import metrics_view
 
 from . import health
 
 log = logging.getLogger("recall.site")
 
+# A lost or refused database connection: answered 503, not 500.
+
 
 class HealthCheckMiddleware:
     """Answer /healthz and /readyz first, before host validation, sessions or
-    HTTPS redirects: load balancers and Kubernetes probe by IP over plain HTTP."""
+    HTTPS redirects: load balancers and Kubernetes probe by IP over plain HTTP.
+    /metrics too, once RECALL_METRICS_TOKEN is set: Prometheus scrapes every
+    node by its address (each node counts its own requests)."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -25,6 +32,8 @@ class HealthCheckMiddleware:
             return health.healthz(request)
         if request.path == "/readyz":
             return health.readyz(request)
+        if request.path == "/metrics" and settings.RECALL_METRICS_TOKEN:
+            return metrics_view(request)
         return self.get_response(request)
 
 
@@ -42,7 +51,7 @@ class DatabaseUnavailableMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request: HttpRequest, exception: Exception):
-        if not isinstance(exception, OperationalError | InterfaceError):
+        if not isinstance(exception, DATABASE_DOWN):
             return None
         log.error("database unavailable: %s", exception)
         if request.path.startswith("/api/"):

@@ -14,7 +14,7 @@ import environ
 from csp import constants as csp
 from django.core.exceptions import ImproperlyConfigured
 
-from . import secret_key
+from . import logs, secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -177,7 +177,7 @@ AXES_LOCKOUT_CALLABLE = "recall_site.auth.locked_out"
 AXES_VERBOSE = False
 
 LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "/"
+LOGIN_REDIRECT_URL = "overview"
 LOGOUT_REDIRECT_URL = "login"
 
 # --- Static files (whitenoise, hashed names) ----------------------------------
@@ -296,6 +296,8 @@ RECALL_BACKGROUND_INTAKE_BYTES = env.int(
 # also keeps threads free when every process is busy, at the price of refusing
 # an export that lands on a process already streaming that many.
 RECALL_EXPORTS_PER_PROCESS = env.int("RECALL_EXPORTS_PER_PROCESS", default=0)
+# /metrics answers only when this is set, and only to "Authorization: Bearer <it>".
+RECALL_METRICS_TOKEN = env.str("RECALL_METRICS_TOKEN", default="")
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 # URL schemes a source may have (plain paths, absolute or relative, are always
@@ -339,19 +341,13 @@ if _redis_url := env.str("RECALL_Q_REDIS_URL", default=""):
 else:
     Q_CLUSTER["orm"] = "default"
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {
-        "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
-    },
-    "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
-    },
-    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
-    "loggers": {
-        "django.db.backends": {"level": "WARNING"},
-        # django-axes logs every login at INFO; lockouts are WARNING.
-        "axes": {"level": "WARNING"},
-    },
-}
+# --- Logs -----------------------------------------------------------------------
+# text: lines on stderr (the default); json: one JSON object per line on stdout,
+# with the job, attempt, worker and batch ids a record carries (recall_site/logs.py).
+# gunicorn.conf.py reads the same two variables for gunicorn's own logs.
+LOG_FORMAT = env.str("LOG_FORMAT", default="text")
+if LOG_FORMAT not in logs.FORMATS:
+    raise ImproperlyConfigured(f"LOG_FORMAT must be one of {', '.join(logs.FORMATS)}.")
+LOGGING = logs.django_logging(LOG_FORMAT, env.str("LOG_LEVEL", default="INFO"))
+# django-axes logs every login at INFO; lockouts are WARNING.
+LOGGING["loggers"]["axes"] = {"level": "WARNING"}

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from jobs import api, openapi, views
+from jobs import api, openapi, overview, views
 
 urlpatterns = [
     path("api/v1/claim", api.claim, name="api-claim"),
@@ -16,6 +16,8 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("workers/", views.worker_list, name="worker-list"),
+    path("overview/", overview.overview, name="overview"),
+    path("overview/live", overview.overview_live, name="overview-live"),
     path("", include("batches.urls")),
 ]
 

@@ -23,6 +23,7 @@ import pytest
 from .pgserver import PrivatePostgres, available, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+METRICS_TOKEN = "outage-metrics-token"
 pytestmark = [
     pytest.mark.postgres,
     pytest.mark.skipif(
@@ -76,6 +77,17 @@ def _request(base: str, path: str, token: str | None = None, body: dict | None =
         return error.code, json.loads(raw) if raw.startswith(b"{") else raw.decode()
 
 
+def _scrape(base: str) -> tuple[int, str]:
+    request = urllib.request.Request(
+        base + "/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=15) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
 def _wait_until(check, timeout=30.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -107,6 +119,7 @@ def server():
             RECALL_BIND=f"127.0.0.1:{port}",
             WEB_CONCURRENCY="2",
             RECALL_STARTUP_SWEEP="quick",
+            RECALL_METRICS_TOKEN=METRICS_TOKEN,
         ),
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -169,6 +182,8 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(server):
     assert status == 503
     assert body["reasons"][0].startswith("database unreachable")
     assert _request(base, "/healthz") == (200, {"status": "ok"})
+    # No database figures to give: a scrape fails rather than report zeros.
+    assert _scrape(base) == (503, "The database is unavailable.\n")
 
     pg.start()
 
@@ -191,6 +206,14 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(server):
     booted = _booted_workers(log)
     log.seek(0)
     assert booted == workers_before, log.read()[-5000:]
+    # The 503s were counted, by the processes that answered them.
+    status, text = _scrape(base)
+    assert status == 200
+    for endpoint in ("claim", "heartbeat", "complete"):
+        assert (
+            f'recall_api_requests_total{{endpoint="{endpoint}",status="503"}}' in text
+        )
+    assert 'recall_api_requests_total{endpoint="claim",status="200"} 2.0' in text
     assert server["gunicorn"].poll() is None
     check = subprocess.run(
         [sys.executable, "manage.py", "recall_check"],

@@ -2,67 +2,17 @@
 manifest, watch a completion arrive through the worker API without reloading,
 pause and resume, and see the refresh control and polling behave."""
 
-import json
-import urllib.request
-
 import pytest
 from playwright.sync_api import Page, expect
 
-from jobs import transitions
-
 from ..factories import make_user
+from .conftest import Api
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.postgres,
     pytest.mark.django_db(transaction=True),
 ]
-
-
-class Api:
-    """A worker talking to the live server over real HTTP."""
-
-    def __init__(self, base: str):
-        _, self.token = transitions.create_worker("browser-test-worker")
-        self.base = base
-
-    def post(self, path: str, body: dict) -> tuple[int, dict | None]:
-        request = urllib.request.Request(
-            self.base + path,
-            data=json.dumps(body).encode(),
-            headers={
-                "Authorization": f"Bearer {self.token}",
-                "Content-Type": "application/json",
-            },
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None
-
-    def claim(self) -> tuple[int, dict | None]:
-        return self.post("/api/v1/claim", {})
-
-    def complete(self, job: dict) -> None:
-        status, _ = self.post(
-            f"/api/v1/jobs/{job['id']}/complete",
-            {
-                "lease_token": job["lease_token"],
-                "result": {"text": "hello from the browser test"},
-            },
-        )
-        assert status == 200
-
-
-@pytest.fixture
-def logged_in(page: Page, live_server) -> Page:
-    make_user("operator", "Operators")
-    page.goto(f"{live_server.url}/accounts/login/")
-    page.get_by_label("Username").fill("operator")
-    page.get_by_label("Password").fill("pw")
-    page.get_by_role("button", name="Log in").click()
-    expect(page.get_by_role("heading", name="Batches")).to_be_visible()
-    return page
 
 
 def _create_batch(page: Page, live_server, tmp_path, lines: int = 3) -> None:
@@ -170,7 +120,7 @@ def test_pages_work_without_javascript(browser, live_server, tmp_path):
     page.get_by_label("Password").fill("pw")
     page.get_by_role("button", name="Log in").click()
 
-    expect(page.get_by_role("heading", name="Batches")).to_be_visible()
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
     expect(page.locator("[data-refresh-control]")).to_be_hidden()
     context.close()
 

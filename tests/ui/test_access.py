@@ -20,6 +20,8 @@ PAGES = [
     "/batches/{b}/progress.json",
     "/items/{i}/",
     "/workers/",
+    "/overview/",
+    "/overview/live",
 ]
 OPERATOR_PAGES = [
     "/batches/new/",

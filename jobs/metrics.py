@@ -1,0 +1,274 @@
+"""``GET /metrics``: Recall in the Prometheus text format.
+
+Two kinds of figures, served together:
+
+* **What lives in the database** (jobs per status, batches per state, the
+  oldest claimable job, workers, the sweeper's age) is read by
+  ``DatabaseCollector`` at scrape time, from a registry of its own that is not
+  multiprocess: every process of every web node answers the same.
+* **Per-process request metrics** of the worker API (``recall_api_requests``,
+  ``recall_claim_seconds``) are counted where the requests are served. Under
+  gunicorn they are prometheus_client multiprocess metrics, merged from every
+  worker's files into the same response (``metric_files.py``); a process
+  serving alone (tests, ``runserver``) reports its own.
+
+Off (404) unless ``RECALL_METRICS_TOKEN`` is set; then the scraper must send
+``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from functools import wraps
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from batches.progress import BatchState
+
+from . import fleet, metric_files, transitions
+from .exceptions import DATABASE_DOWN
+from .models import JobStatus
+
+# --- Figures from the database ------------------------------------------------------
+#
+# One function per metric family: it gets the scrape's ``now`` (the database's
+# clock) and returns the family. ``@family`` adds it to the scrape.
+#
+# The monotonic counters pinned in issue 14 (recall_leases_expired_total,
+# recall_leases_forced_total, recall_jobs_completed_total,
+# recall_jobs_failed_total, recall_reconcile_repairs_total{kind}) come from the
+# transition layer's tally table (``jobs.models.Tally``: rows "leases_expired",
+# "leases_forced", "repairs:<kind>", ...). Each is one more function here, e.g.
+#
+#     @family
+#     def leases_expired(now: datetime) -> Metric:
+#         count = Tally.objects.filter(name="leases_expired").values_list(
+#             "count", flat=True
+#         ).first()
+#         return CounterMetricFamily(
+#             "recall_leases_expired",
+#             "Expired leases reclaimed, by a sweep or a claim.",
+#             value=count or 0,
+#         )
+#
+# (a counter family is named without "_total"; prometheus_client adds it), and
+# its row in the README's metrics table; tests/test_deploy.py then drops it
+# from PENDING.
+
+Family = Callable[[datetime], Metric]
+FAMILIES: list[Family] = []
+
+
+def family(function: Family) -> Family:
+    FAMILIES.append(function)
+    return function
+
+
+@family
+def jobs(now: datetime) -> Metric:
+    gauge = GaugeMetricFamily(
+        "recall_jobs", "Jobs per status, right now.", labels=["status"]
+    )
+    counts = fleet.job_counts()
+    for status in JobStatus.values:
+        gauge.add_metric([status], counts[status])
+    return gauge
+
+
+@family
+def batches(now: datetime) -> Metric:
+    gauge = GaugeMetricFamily(
+        "recall_batches",
+        "Batches per state, as the operator UI shows them.",
+        labels=["state"],
+    )
+    counts = fleet.batch_states(now)
+    for state in BatchState.ALL:
+        gauge.add_metric([state], counts[state])
+    return gauge
+
+
+@family
+def oldest_queued(now: datetime) -> Metric:
+    return GaugeMetricFamily(
+        "recall_oldest_queued_seconds",
+        "Age of the oldest claimable job (queued, due, in an open batch); 0 if none.",
+        value=fleet.oldest_queued_age(now),
+    )
+
+
+@family
+def workers(now: datetime) -> Metric:
+    gauge = GaugeMetricFamily(
+        "recall_workers",
+        "Workers per state: busy (holds a live lease), idle (active, seen "
+        "recently, no lease), offline (the rest).",
+        labels=["state"],
+    )
+    counts = fleet.worker_states(now)
+    for state in fleet.WorkerState.ALL:
+        gauge.add_metric([state], counts[state])
+    return gauge
+
+
+@family
+def last_sweep_age(now: datetime) -> Metric:
+    age = fleet.last_sweep_age(now)
+    return GaugeMetricFamily(
+        "recall_last_sweep_age_seconds",
+        "Seconds since the last sweep finished; +Inf before the first one.",
+        value=float("inf") if age is None else age,
+    )
+
+
+class DatabaseCollector:
+    """Every ``FAMILIES`` function, against one ``now`` per scrape."""
+
+    def __init__(self, now: datetime | None = None):
+        self.now = now
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.now or transitions.now()
+        for function in FAMILIES:
+            yield function(now)
+
+    def describe(self) -> Iterable[Metric]:
+        return ()  # registering must not query the database
+
+
+# --- Request metrics of the worker API ---------------------------------------------
+
+# Server time of a claim: about a millisecond when idle, up to a few hundred
+# under a sweep of thousands of expired leases (BENCHMARKS.md).
+CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    requests: Counter
+    claim_seconds: Histogram
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.requests.collect()
+        yield from self.claim_seconds.collect()
+
+
+_request_metrics: RequestMetrics | None = None
+_request_metrics_lock = threading.Lock()
+
+
+def request_metrics() -> RequestMetrics:
+    """This process's request metrics, created on first use: in a gunicorn
+    worker, not in the master, and never by merely importing this module (a
+    multiprocess metric without labels opens its file when it is made)."""
+    global _request_metrics
+    with _request_metrics_lock:
+        if _request_metrics is None:
+            _request_metrics = RequestMetrics(
+                requests=Counter(
+                    "recall_api_requests",
+                    "Worker API requests answered, by endpoint and HTTP status.",
+                    ["endpoint", "status"],
+                    registry=None,
+                ),
+                claim_seconds=Histogram(
+                    "recall_claim_seconds",
+                    "Server time of a claim request (authentication, claim, "
+                    "response), empty queue included.",
+                    buckets=CLAIM_BUCKETS,
+                    registry=None,
+                ),
+            )
+        return _request_metrics
+
+
+def observed(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Count a worker API view's requests by endpoint (the view's name) and
+    status, and time claims. A lost database counts as the 503 it becomes
+    (DatabaseUnavailableMiddleware)."""
+    endpoint = view.__name__
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        started = time.perf_counter()
+        status = 500
+        try:
+            response = view(request, *args, **kwargs)
+            status = response.status_code
+            return response
+        except DATABASE_DOWN:
+            status = 503
+            raise
+        finally:
+            metrics = request_metrics()
+            metrics.requests.labels(endpoint, str(status)).inc()
+            if endpoint == "claim":
+                metrics.claim_seconds.observe(time.perf_counter() - started)
+
+    return wrapper
+
+
+# --- Exposition -------------------------------------------------------------------
+
+
+def render(now: datetime | None = None) -> bytes:
+    """The whole scrape: database figures and request metrics, merged."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DatabaseCollector(now))
+    path = metric_files.directory()
+    request_metrics()  # this process's families exist even before a request
+    if path is None:
+        registry.register(request_metrics())
+        return generate_latest(registry)
+    MultiProcessCollector(registry, path=path)
+    with metric_files.reading(path):
+        return generate_latest(registry)
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """``GET /metrics`` for a scraper holding ``RECALL_METRICS_TOKEN``.
+
+    Answered before host validation and the HTTPS redirect, like the health
+    probes: Prometheus scrapes each node by its address (request metrics are
+    per node). Without a token configured it is not here at all (the caller
+    passes the request on, and it ends as a 404).
+    """
+    if request.method != "GET":
+        response = HttpResponse("Use GET.\n", status=405, content_type="text/plain")
+        response["Allow"] = "GET"
+        return response
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    expected = settings.RECALL_METRICS_TOKEN.encode()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode("utf-8", "surrogatepass"), expected
+    ):
+        response = HttpResponse(
+            "Send the metrics token as 'Authorization: Bearer <token>'.\n",
+            status=401,
+            content_type="text/plain",
+        )
+        response["WWW-Authenticate"] = 'Bearer realm="recall-metrics"'
+        return response
+    try:
+        body = render()
+    except DatabaseError:
+        # The request metrics alone would read as a healthy, empty system.
+        response = HttpResponse(
+            "The database is unavailable.\n", status=503, content_type="text/plain"
+        )
+        response["Retry-After"] = "5"
+        return response
+    response = HttpResponse(body, content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    response["Cache-Control"] = "no-store"
+    return response

@@ -1,0 +1,126 @@
+"""Request metrics across processes: real metric files written by real
+processes; a dead worker's counts survive in the archive, its files go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from jobs import metric_files as multiprocess
+
+from .conftest import samples
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A process counting API requests with Recall's own metric definitions.
+COUNTING = """
+import os, sys
+import django
+django.setup()
+from jobs.metrics import request_metrics
+metrics = request_metrics()
+claims, completes = int(sys.argv[1]), int(sys.argv[2])
+for _ in range(claims):
+    metrics.requests.labels("claim", "204").inc()
+    metrics.claim_seconds.observe(0.004)
+for _ in range(completes):
+    metrics.requests.labels("complete", "200").inc()
+print(os.getpid())
+"""
+
+
+def count_in_a_process(path: Path, claims: int, completes: int) -> int:
+    """Run a process that counts requests into ``path``; return its pid."""
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(path),
+        "DJANGO_SETTINGS_MODULE": "recall_site.settings",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", COUNTING, str(claims), str(completes)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return int(result.stdout.split()[-1])
+
+
+def totals(path: Path) -> dict[tuple, float]:
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(path))
+    with multiprocess.reading(str(path)):
+        return samples(generate_latest(registry))
+
+
+def files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.glob("*.db"))
+
+
+CLAIMS = ("recall_api_requests_total", ("endpoint", "claim"), ("status", "204"))
+COMPLETES = ("recall_api_requests_total", ("endpoint", "complete"), ("status", "200"))
+
+
+def test_a_dead_workers_counts_move_into_the_archive(tmp_path):
+    pids = [
+        count_in_a_process(tmp_path, 3, 1),
+        count_in_a_process(tmp_path, 5, 2),
+        count_in_a_process(tmp_path, 2, 0),
+    ]
+    before = totals(tmp_path)
+    assert before[CLAIMS] == 10
+    assert before[COMPLETES] == 3
+    assert before[("recall_claim_seconds_count",)] == 10
+    assert before[("recall_claim_seconds_bucket", ("le", "0.0025"))] == 0
+    assert before[("recall_claim_seconds_bucket", ("le", "0.005"))] == 10
+
+    for pid in pids[:2]:
+        multiprocess.retire(pid, str(tmp_path))
+
+    assert totals(tmp_path) == before
+    assert files(tmp_path) == sorted(
+        [
+            "counter_archive.db",
+            "histogram_archive.db",
+            f"counter_{pids[2]}.db",
+            f"histogram_{pids[2]}.db",
+        ]
+    )
+
+    multiprocess.retire(pids[2], str(tmp_path))
+    multiprocess.retire(pids[2], str(tmp_path))  # twice: nothing left to fold
+
+    assert totals(tmp_path) == before
+    assert files(tmp_path) == ["counter_archive.db", "histogram_archive.db"]
+
+    newcomer = count_in_a_process(tmp_path, 1, 4)
+    multiprocess.retire(newcomer, str(tmp_path))
+
+    after = totals(tmp_path)
+    assert after[CLAIMS] == 11
+    assert after[COMPLETES] == 7
+    assert after[("recall_claim_seconds_count",)] == 11
+    assert (
+        after[("recall_claim_seconds_sum",)]
+        == before[("recall_claim_seconds_sum",)] + 0.004
+    )
+
+
+def test_prepare_empties_the_directory(tmp_path):
+    count_in_a_process(tmp_path, 2, 2)
+    (tmp_path / "notes.txt").write_text("not a metrics file")
+
+    multiprocess.prepare(str(tmp_path))
+
+    assert files(tmp_path) == []
+    assert (tmp_path / "notes.txt").exists()
+    fresh = tmp_path / "new" / "dir"
+    multiprocess.prepare(str(fresh))
+    assert fresh.is_dir()
