@@ -292,7 +292,8 @@ def test_the_readme_quick_start_works_as_printed(tmp_path):
         seen = wait_until(
             finished, timeout=60, what="both items done", logs=[run_log, worker_log]
         )
-        assert seen["landed"] == f"http://{sandbox.address}/"
+        # The README: "a login lands on the overview".
+        assert seen["landed"] == f"http://{sandbox.address}/overview/"
         assert seen["progress"]["state"] == "finished"
 
         # The commands used the server's own key: a session the server signed

@@ -290,7 +290,11 @@ class PostgresBackend(OrmBackend):
     def _cursor(self) -> psycopg.Cursor[Any]:
         """A cursor with server-side binding on Django's connection, so that each
         statement here is prepared once per connection and then only executed
-        (Django's own cursors bind client-side: every query is planned anew)."""
+        (Django's own cursors bind client-side: every query is planned anew).
+
+        Django's own cursor() health-checks a reused connection first (a database
+        restart leaves it dead); bypassing cursor(), this must do the same."""
+        self.connection.close_if_health_check_failed()
         self.connection.ensure_connection()
         raw = self.connection.connection
         if (

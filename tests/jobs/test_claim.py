@@ -167,3 +167,29 @@ def test_job_with_no_attempts_left_is_not_claimed(worker, batch):
 
     assert first.pk not in claimed
     assert transitions.claim_next(worker, now=T0) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_on_a_connection_the_database_dropped_reconnects(worker, batch):
+    """A database restart leaves each thread's persistent connection dead. The
+    first statement of the next request health-checks it and reconnects, for
+    the statements the transition layer runs on the driver directly too."""
+    from django.db import connection, connections
+
+    if connection.vendor != "postgresql":
+        pytest.skip("only a server can drop a connection")
+    connection.ensure_connection()
+    dropped = connection.connection.info.backend_pid
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [dropped])
+    finally:
+        other.close()
+    connection.health_check_done = False  # as at the start of each request
+
+    job = claim(worker)
+
+    assert job.pk == jobs_of(batch)[0].pk
+    assert connection.connection.info.backend_pid != dropped
+    assert_consistent()
