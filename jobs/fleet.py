@@ -30,9 +30,11 @@ from .models import (
     ITEM_STATUS_FOR_JOB,
     Event,
     Job,
+    JobStatus,
     Lease,
     LeaseEnd,
     SweepState,
+    Tally,
     Worker,
 )
 
@@ -61,6 +63,21 @@ def job_counts() -> dict[str, int]:
         **{item: Sum(item) for item in ITEM_STATUS_FOR_JOB.values()}
     )
     return {str(job): sums[str(item)] or 0 for job, item in ITEM_STATUS_FOR_JOB.items()}
+
+
+def tallies() -> dict[str, int]:
+    """Every tally the transitions keep (``jobs.models.Tally``): what they did
+    since the beginning, by name. A handful of rows."""
+    return dict(Tally.objects.values_list("name", "count"))
+
+
+def finished_totals(counts: dict[str, int], tally: dict[str, int]) -> tuple[int, int]:
+    """(jobs ever completed, jobs ever failed for good). The counters hold the
+    jobs done and failed now; a failed job queued again by *retry failed* is
+    kept in a tally, so the totals only ever grow."""
+    completed = counts[JobStatus.COMPLETED]
+    failed = counts[JobStatus.FAILED] + tally.get("jobs_failed_retried", 0)
+    return completed, failed
 
 
 def unsettled_batches():

@@ -24,49 +24,59 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from functools import wraps
+from functools import cached_property, wraps
 
 from django.conf import settings
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from batches.progress import BatchState
 
 from . import fleet, metric_files, transitions
 from .exceptions import DATABASE_DOWN
-from .models import JobStatus
+from .models import JobStatus, RepairKind
 
 # --- Figures from the database ------------------------------------------------------
 #
-# One function per metric family: it gets the scrape's ``now`` (the database's
-# clock) and returns the family. ``@family`` adds it to the scrape.
+# One function per metric family: it gets the scrape (its ``now``, the
+# database's clock, and the reads several families share, made once) and
+# returns the family. ``@family`` adds it to the scrape.
 #
-# The monotonic counters pinned in issue 14 (recall_leases_expired_total,
-# recall_leases_forced_total, recall_jobs_completed_total,
-# recall_jobs_failed_total, recall_reconcile_repairs_total{kind}) come from the
-# transition layer's tally table (``jobs.models.Tally``: rows "leases_expired",
-# "leases_forced", "repairs:<kind>", ...). Each is one more function here, e.g.
-#
-#     @family
-#     def leases_expired(now: datetime) -> Metric:
-#         count = Tally.objects.filter(name="leases_expired").values_list(
-#             "count", flat=True
-#         ).first()
-#         return CounterMetricFamily(
-#             "recall_leases_expired",
-#             "Expired leases reclaimed, by a sweep or a claim.",
-#             value=count or 0,
-#         )
-#
-# (a counter family is named without "_total"; prometheus_client adds it), and
-# its row in the README's metrics table; tests/test_deploy.py then drops it
-# from PENDING.
+# The monotonic counters (recall_*_total) come from the transition layer's
+# tallies (``jobs.models.Tally``), written by the transitions in their own
+# transactions: they survive restarts and every process reads the same. A
+# counter family is named without "_total"; prometheus_client adds it.
 
-Family = Callable[[datetime], Metric]
+
+class Scrape:
+    """One scrape's view of the database: one ``now``, and each shared read
+    made at most once."""
+
+    def __init__(self, now: datetime):
+        self.now = now
+
+    @cached_property
+    def job_counts(self) -> dict[str, int]:
+        return fleet.job_counts()
+
+    @cached_property
+    def tallies(self) -> dict[str, int]:
+        return fleet.tallies()
+
+    @cached_property
+    def finished_totals(self) -> tuple[int, int]:
+        return fleet.finished_totals(self.job_counts, self.tallies)
+
+
+Family = Callable[[Scrape], Metric]
 FAMILIES: list[Family] = []
 
 
@@ -76,60 +86,110 @@ def family(function: Family) -> Family:
 
 
 @family
-def jobs(now: datetime) -> Metric:
+def jobs(scrape: Scrape) -> Metric:
     gauge = GaugeMetricFamily(
         "recall_jobs", "Jobs per status, right now.", labels=["status"]
     )
-    counts = fleet.job_counts()
+    counts = scrape.job_counts
     for status in JobStatus.values:
         gauge.add_metric([status], counts[status])
     return gauge
 
 
 @family
-def batches(now: datetime) -> Metric:
+def batches(scrape: Scrape) -> Metric:
     gauge = GaugeMetricFamily(
         "recall_batches",
         "Batches per state, as the operator UI shows them.",
         labels=["state"],
     )
-    counts = fleet.batch_states(now)
+    counts = fleet.batch_states(scrape.now)
     for state in BatchState.ALL:
         gauge.add_metric([state], counts[state])
     return gauge
 
 
 @family
-def oldest_queued(now: datetime) -> Metric:
+def oldest_queued(scrape: Scrape) -> Metric:
     return GaugeMetricFamily(
         "recall_oldest_queued_seconds",
         "Age of the oldest claimable job (queued, due, in an open batch); 0 if none.",
-        value=fleet.oldest_queued_age(now),
+        value=fleet.oldest_queued_age(scrape.now),
     )
 
 
 @family
-def workers(now: datetime) -> Metric:
+def workers(scrape: Scrape) -> Metric:
     gauge = GaugeMetricFamily(
         "recall_workers",
         "Workers per state: busy (holds a live lease), idle (active, seen "
         "recently, no lease), offline (the rest).",
         labels=["state"],
     )
-    counts = fleet.worker_states(now)
+    counts = fleet.worker_states(scrape.now)
     for state in fleet.WorkerState.ALL:
         gauge.add_metric([state], counts[state])
     return gauge
 
 
 @family
-def last_sweep_age(now: datetime) -> Metric:
-    age = fleet.last_sweep_age(now)
+def last_sweep_age(scrape: Scrape) -> Metric:
+    age = fleet.last_sweep_age(scrape.now)
     return GaugeMetricFamily(
         "recall_last_sweep_age_seconds",
         "Seconds since the last sweep finished; +Inf before the first one.",
         value=float("inf") if age is None else age,
     )
+
+
+@family
+def leases_expired(scrape: Scrape) -> Metric:
+    return CounterMetricFamily(
+        "recall_leases_expired",
+        "Expired leases reclaimed, by a sweep or a claim.",
+        value=scrape.tallies.get("leases_expired", 0),
+    )
+
+
+@family
+def leases_forced(scrape: Scrape) -> Metric:
+    return CounterMetricFamily(
+        "recall_leases_forced",
+        "Leases ended by force: an admin's force reclaim, a worker disabled and "
+        "reclaimed, or a batch cancelled under them.",
+        value=scrape.tallies.get("leases_forced", 0),
+    )
+
+
+@family
+def jobs_completed(scrape: Scrape) -> Metric:
+    completed, _ = scrape.finished_totals
+    return CounterMetricFamily(
+        "recall_jobs_completed", "Jobs completed, ever.", value=completed
+    )
+
+
+@family
+def jobs_failed(scrape: Scrape) -> Metric:
+    _, failed = scrape.finished_totals
+    return CounterMetricFamily(
+        "recall_jobs_failed",
+        "Jobs failed for good (out of attempts, or a non-retryable error), ever; "
+        "a retry does not take one back.",
+        value=failed,
+    )
+
+
+@family
+def reconcile_repairs(scrape: Scrape) -> Metric:
+    counter = CounterMetricFamily(
+        "recall_reconcile_repairs",
+        "Repairs reconciliation (or a transition healing drifted rows) made, by kind.",
+        labels=["kind"],
+    )
+    for kind in RepairKind:  # every kind, at 0 before its first repair
+        counter.add_metric([kind.value], scrape.tallies.get(kind.tally, 0))
+    return counter
 
 
 class DatabaseCollector:
@@ -139,9 +199,9 @@ class DatabaseCollector:
         self.now = now
 
     def collect(self) -> Iterator[Metric]:
-        now = self.now or transitions.now()
+        scrape = Scrape(self.now or transitions.now())
         for function in FAMILIES:
-            yield function(now)
+            yield function(scrape)
 
     def describe(self) -> Iterable[Metric]:
         return ()  # registering must not query the database

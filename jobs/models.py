@@ -11,6 +11,7 @@ one transaction.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from enum import StrEnum
 
 from django.conf import settings
 from django.db import models
@@ -350,6 +351,25 @@ class Tally(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name}: {self.count}"
+
+
+class RepairKind(StrEnum):
+    """What a repair healed (reconciliation, or a transition healing rows it
+    touched). Each is tallied as ``repairs:<kind>``: the metric
+    ``recall_reconcile_repairs_total{kind}``."""
+
+    ITEM_DRIFT = "item_drift"
+    LEASE_CLOSED = "lease_closed"
+    LEASE_RESTORED = "lease_restored"
+    LEDGER_ROW_WRITTEN = "ledger_row_written"
+    LEDGER_ROW_CLOSED_EARLY = "ledger_row_closed_early"
+    EXHAUSTED_FAILED = "exhausted_failed"
+    BATCH_REOPENED = "batch_reopened"
+    COUNTERS_FIXED = "counters_fixed"
+
+    @property
+    def tally(self) -> str:
+        return f"repairs:{self.value}"
 
 
 # --- Sweeper state ------------------------------------------------------------

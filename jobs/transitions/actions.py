@@ -23,6 +23,7 @@ from batches.models import Batch, BatchCounter, ItemStatus
 from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd, Worker
 
 from .rows import (
+    add_tally,
     group_by,
     log_lease,
     move_jobs,
@@ -408,6 +409,8 @@ def retry_failed(
         Batch.objects.filter(pk__in=batch_ids).update(finished_at=None)
         rejoin_share(reopened)
         move_jobs(chunk, to=JobStatus.QUEUED, now=now, attempts=0)
+        # Failed for good once, and counted so: the total only ever grows.
+        add_tally("jobs_failed_retried", len(chunk))
         record_events(
             chunk,
             Event.Kind.RETRIED,

@@ -25,7 +25,7 @@ from batches.models import (
     BatchItem,
     BatchMinute,
 )
-from jobs.models import Job, JobStatus, Lease, LeaseEnd, item_status_for
+from jobs.models import Job, JobStatus, Lease, LeaseEnd, RepairKind, item_status_for
 
 from .rows import move_items, move_jobs, record_repair, rejoin_share
 from .rules import EXHAUSTED
@@ -61,7 +61,7 @@ def close_stray_leases(job_id: int, *, now: datetime) -> int:
                 job,
                 f"Closed lease-ledger row {lease.pk} (attempt {lease.attempt}) "
                 f"left open although the job is {job.status}.",
-                kind="lease_closed",
+                kind=RepairKind.LEASE_CLOSED,
                 at=now,
             )
     return len(rows)
@@ -97,7 +97,7 @@ def restore_lease_row(job_id: int, *, now: datetime) -> bool:
         record_repair(
             job,
             "Opened the missing lease-ledger row for the job's live lease.",
-            kind="lease_restored",
+            kind=RepairKind.LEASE_RESTORED,
             at=now,
         )
     return True
@@ -116,7 +116,7 @@ def fail_exhausted(job_id: int, *, now: datetime) -> bool:
         if job is None:
             return False
         move_jobs([job], to=JobStatus.FAILED, now=now, last_error=EXHAUSTED)
-        record_repair(job, EXHAUSTED, kind="exhausted_failed", at=now)
+        record_repair(job, EXHAUSTED, kind=RepairKind.EXHAUSTED_FAILED, at=now)
     return True
 
 
@@ -140,7 +140,7 @@ def reopen_batch(job_id: int, *, now: datetime) -> bool:
         record_repair(
             job,
             "The batch was marked finished but this job was not; reopened it.",
-            kind="batch_reopened",
+            kind=RepairKind.BATCH_REOPENED,
             at=now,
         )
     return True
@@ -193,7 +193,7 @@ def recount(
             record_repair(
                 None,
                 "Progress counters differed from a recount of the items; fixed.",
-                kind="counters_fixed",
+                kind=RepairKind.COUNTERS_FIXED,
                 at=now,
                 batch_id=batch_id,
             )

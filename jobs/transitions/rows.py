@@ -39,6 +39,7 @@ from jobs.models import (
     JobStatus,
     Lease,
     LeaseEnd,
+    RepairKind,
     Tally,
     Worker,
     item_status_for,
@@ -126,7 +127,7 @@ def move_items(jobs: Sequence[Job], *, was: str, to: str, now: datetime) -> None
             record_repair(
                 job,
                 f"Item was {item.status} while its job was {was}; set to {new}.",
-                kind="item_drift",
+                kind=RepairKind.ITEM_DRIFT,
                 at=now,
             )
             drifted.add(job.batch_id)
@@ -288,14 +289,14 @@ def close_leases(
             record_repair(
                 job,
                 "The live lease had no ledger row; wrote it, closed.",
-                kind="ledger_row_written",
+                kind=RepairKind.LEDGER_ROW_WRITTEN,
                 at=now,
             )
         elif rows[job.lease_token] != now:
             record_repair(
                 job,
                 "The live lease's ledger row was already closed.",
-                kind="ledger_row_closed_early",
+                kind=RepairKind.LEDGER_ROW_CLOSED_EARLY,
                 at=now,
             )
 
@@ -377,7 +378,7 @@ def record_repair(
     job: Job | None,
     message: str,
     *,
-    kind: str,
+    kind: RepairKind,
     at: datetime,
     batch_id: int | None = None,
 ) -> Event:
@@ -392,7 +393,7 @@ def record_repair(
         message,
         extra={"job": job.pk if job else None, "batch": batch_id},
     )
-    add_tally(f"repairs:{kind}", 1)
+    add_tally(kind.tally, 1)
     return record_event(Event.Kind.REPAIR, message, at=at, job=job, batch_id=batch_id)
 
 

@@ -14,12 +14,12 @@ from django.db.models import Count
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from batches.models import Batch
+from batches.models import Batch, BatchItem, ItemStatus
 from batches.progress import BatchState
 from jobs import transitions
 from jobs.metrics import render
 from jobs.models import Job, JobStatus, Worker
-from jobs.reconcile import sweep_state
+from jobs.reconcile import reconcile, sweep_state
 from jobs.sweep import sweep
 
 from ..factories import T0, claim, later, make_batch, make_worker
@@ -78,6 +78,69 @@ def test_job_counts_agree_with_the_table_after_every_transition(worker, other_wo
         "cancelled": 1,
     }
     assert a.counts()["queued"] == 3
+
+
+def totals(figures: dict[tuple, float]) -> dict[str, float]:
+    return {
+        name: figures[(f"recall_{name}_total",)]
+        for name in ("leases_expired", "leases_forced", "jobs_completed", "jobs_failed")
+    }
+
+
+def test_the_counters_count_what_the_transitions_did(worker, other_worker):
+    """The _total counters only grow: a retry does not take a failure back,
+    and a repair is counted by its kind (every kind is there from the start)."""
+    batch = make_batch(5)
+    assert totals(scrape(T0)) == dict.fromkeys(
+        ("leases_expired", "leases_forced", "jobs_completed", "jobs_failed"), 0
+    )
+    repairs = by_label(scrape(T0), "recall_reconcile_repairs_total")
+    assert repairs == dict.fromkeys(
+        [
+            "item_drift",
+            "lease_closed",
+            "lease_restored",
+            "ledger_row_written",
+            "ledger_row_closed_early",
+            "exhausted_failed",
+            "batch_reopened",
+            "counters_fixed",
+        ],
+        0,
+    )
+
+    done = claim(worker, T0)
+    transitions.complete(done, done.lease_token, worker=worker, result={}, now=T0)
+    failed = claim(worker, T0)
+    transitions.fail(
+        failed, failed.lease_token, worker=worker, error="bad", retryable=False, now=T0
+    )
+    claim(other_worker, T0), claim(other_worker, T0)
+    now = later(120)
+    assert sweep(now=now)["reclaimed"] == {"requeued": 2, "failed": 0}
+    forced = claim(worker, now)
+    assert transitions.force_reclaim(forced, now=now)
+    assert totals(scrape(now)) == {
+        "leases_expired": 2,
+        "leases_forced": 1,
+        "jobs_completed": 1,
+        "jobs_failed": 1,
+    }
+
+    assert transitions.retry_failed(Job.objects.filter(pk=failed.pk), now=now) == 1
+    assert Job.objects.get(pk=failed.pk).status == JobStatus.QUEUED
+    assert totals(scrape(now))["jobs_failed"] == 1
+
+    drifted = Job.objects.filter(status=JobStatus.QUEUED).first()
+    BatchItem.objects.filter(pk=drifted.item_id).update(status=ItemStatus.DONE)
+    report = reconcile(now=now)
+    assert (report.items_healed, report.counters_fixed) == (1, 1)
+    repairs = by_label(scrape(now), "recall_reconcile_repairs_total")
+    assert {kind: n for kind, n in repairs.items() if n} == {
+        "item_drift": 1,
+        "counters_fixed": 1,
+    }
+    assert batch.counts()["done"] == 1
 
 
 def test_every_database_figure_at_one_moment(settings):
