@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from .delivery import dispatch
 from .sweep import sweep as run_sweep
 
 
 def sweep() -> dict:
     """The scheduled sweep (``recall-sweep`` schedule, every minute)."""
     return run_sweep()
+
+
+def deliver_webhooks(delivery_ids: list[int]) -> dict:
+    """First attempts, queued when their event commits; then the dispatcher's
+    work while a retry falls due soon."""
+    return dispatch(delivery_ids).as_dict()
+
+
+def dispatch_webhooks() -> dict:
+    """The scheduled dispatcher (``recall-webhooks`` schedule, every minute)."""
+    return dispatch().as_dict()

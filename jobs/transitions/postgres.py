@@ -38,13 +38,7 @@ from jobs.tokens import token_prefix as prefix_of
 from . import statements
 from .orm import ItemRow, OrmBackend
 from .rows import log_lease
-from .rules import (
-    CANCEL_GRACE,
-    CLAIM_BATCH_CANDIDATES,
-    GAVE_UP,
-    LEASE_EXPIRED,
-    lease_duration,
-)
+from .rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
 
 # psycopg's default: prepare a statement on its fifth execution (``prepare=True``
 # below prepares ours at once).
@@ -187,8 +181,9 @@ class PostgresBackend(OrmBackend):
             },
         )
         if row is not None:
-            item_status, lease_id, batch_id, attempts, at = row
-            if item_status == ItemStatus.TRANSCRIBING and lease_id is not None:
+            item_status, lease_id, batch_id, attempts, at, tail = row
+            clean = item_status == ItemStatus.TRANSCRIBING and lease_id is not None
+            if clean and not tail:
                 job = Job(
                     pk=job_id,
                     batch_id=batch_id,
@@ -200,8 +195,9 @@ class PostgresBackend(OrmBackend):
                 )
                 return job
             now = at
-        # Not live (a replay, a stale token) or rows that disagree: the ORM
-        # code decides, and heals.
+        # Not live (a replay, a stale token), rows that disagree, or the batch's
+        # tail (this completion may finish it): the ORM code decides, heals,
+        # and checks the finish under the batch's lock.
         return super().complete(
             job_id, lease_token, worker=worker, result=result, now=now
         )
@@ -220,21 +216,15 @@ class PostgresBackend(OrmBackend):
             return super()._reclaim_chunk(now, size, wait=wait, among=among)
         rows = self._fetchall(
             statements.RECLAIM_WAITING if wait else statements.RECLAIM_UNLESS_BUSY,
-            {
-                "now": now,
-                "size": size,
-                "expired": LEASE_EXPIRED,
-                "gave_up": GAVE_UP,
-            },
+            {"now": now, "size": size, "expired": LEASE_EXPIRED},
         )
         requeued = failed = 0
         unclean = []
-        for job_id, clean, requeue, attempts, worker_id, batch_id in rows:
+        for job_id, clean, attempts, worker_id, batch_id in rows:
             if not clean:
                 unclean.append(job_id)
                 continue
-            requeued += requeue
-            failed += not requeue
+            requeued += 1
             log_lease(
                 "reclaimed",
                 Job(pk=job_id, batch_id=batch_id, attempts=attempts),
