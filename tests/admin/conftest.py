@@ -9,8 +9,6 @@ from django.contrib.auth.models import Permission
 from django.contrib.messages import get_messages
 from django.test import Client
 
-from ..webhooks.conftest import receiver  # noqa: F401 (a fixture)
-
 JOBS = "/admin/jobs/job/"
 WORKERS = "/admin/jobs/worker/"
 

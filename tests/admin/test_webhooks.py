@@ -16,7 +16,7 @@ from jobs.models import (
 )
 
 from ..factories import T0, claim, make_batch, make_endpoint
-from ..webhooks.conftest import Answer
+from ..receiver import Answer
 from .conftest import act, messages_of
 
 pytestmark = pytest.mark.django_db

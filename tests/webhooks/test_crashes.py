@@ -18,7 +18,7 @@ from jobs.transitions.webhooks import INTERRUPTED
 
 from ..factories import claim, make_batch, make_endpoint, make_worker
 from ..jobs.test_concurrency import run_threads
-from .conftest import Answer
+from ..receiver import Answer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -27,7 +27,7 @@ from jobs.models import (
 from jobs.tasks import deliver_webhooks
 
 from ..factories import T0, claim, later, make_batch, make_endpoint
-from .conftest import Answer
+from ..receiver import Answer
 
 pytestmark = pytest.mark.django_db
 

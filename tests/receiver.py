@@ -1,12 +1,12 @@
 """A real webhook receiver: an HTTP server in a thread on 127.0.0.1, answering
-each request as the test scripts it and recording what arrived."""
+each request as the test scripts it and recording what arrived (the
+``receiver`` fixture, in conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -93,12 +93,3 @@ class Receiver:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
-
-
-@pytest.fixture
-def receiver(settings) -> Iterator[Receiver]:
-    # The receiver is on loopback, which only this setting allows.
-    settings.RECALL_WEBHOOK_ALLOW_PRIVATE = True
-    receiver = Receiver()
-    yield receiver
-    receiver.close()
