@@ -8,7 +8,11 @@ COMMIT round trips), or inside the caller's. Only the clean case is handled in
 SQL: when the rows disagree (an item whose status drifted, a live lease without
 its open ledger row) a statement writes nothing and says so, and the ORM
 backend's code, which locks the rows again, heals and logs the drift, runs
-instead.
+instead. The same goes for a completion in its batch's tail (nothing queued:
+it may finish the batch, which takes the batch row's lock and writes the
+``batch.finished`` event, ``outbox.py``) and for a lease that expired on its
+job's last attempt (the job fails for good: an ``item.failed`` event, maybe a
+finish).
 
 Time is the database's: a statement given no ``now`` reads
 ``statement_timestamp()`` and returns the instant it used, so a fallback to the

@@ -437,3 +437,17 @@ def test_other_batches_are_left_alone(worker):
 
     assert {e.batch_id for e in WebhookEvent.objects.all()} == {other.pk, batch.pk}
     assert WebhookEvent.objects.count() == 2
+
+
+def test_recall_check_reports_a_finish_without_its_event(worker):
+    from jobs.checks import find_violations
+
+    batch = make_batch(1)
+    _complete(worker, claim(worker))
+    assert_consistent(later(1))
+    WebhookEvent.objects.filter(batch=batch).delete()
+
+    assert [str(v) for v in find_violations(now=later(1))] == [
+        f"one-event-per-finish: batch {batch.pk} finished 1 time(s) but has 0 "
+        f"batch.finished event(s)"
+    ]
