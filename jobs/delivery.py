@@ -189,9 +189,12 @@ def send(request: Request) -> Outcome:
         status, excerpt = _post(destination, request, deadline)
     except _TimedOut:
         return Outcome(None, took(), error=f"Timed out after {timeout:g} s.")
-    except (OSError, http.client.HTTPException, ssl.SSLError) as error:
+    except (OSError, http.client.HTTPException) as error:
         reason = str(error) or type(error).__name__
         return Outcome(None, took(), error=f"Connection failed: {reason}")
+    except Exception as error:  # a bug must not lose the other attempts' outcomes
+        log.exception("webhook attempt to %s failed unexpectedly", request.url)
+        return Outcome(None, took(), error=f"Unexpected error: {error!r}")
     return Outcome(status, took(), excerpt=excerpt)
 
 
@@ -202,38 +205,41 @@ class _TimedOut(Exception):
 def _post(
     destination: Destination, request: Request, deadline: float
 ) -> tuple[int, str]:
-    """Connect to the first checked address that answers, then POST."""
-    connection = None
-    failure: OSError | None = None
-    for address in destination.addresses:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _TimedOut
-        candidate = _connection(destination, address, remaining)
-        try:
-            candidate.connect()
-        except TimeoutError as error:
-            raise _TimedOut from error
-        except OSError as error:
-            failure = error
-            continue
-        connection = candidate
-        break
-    if connection is None:
-        raise failure or OSError("no address to connect to")
+    """Connect to the first checked address that answers, then POST; all of
+    it (TLS handshake included) cut off at ``deadline``, so a receiver that
+    drips bytes cannot hold an attempt, and its lease, for longer."""
     timed_out = threading.Event()
+    opened: list[http.client.HTTPConnection] = []
 
     def abort() -> None:
-        # The timeout is for the whole exchange: a receiver that drips bytes
-        # must not hold an attempt (and its lease) for longer.
         timed_out.set()
-        if connection.sock is not None:
-            with contextlib.suppress(OSError):
-                connection.sock.shutdown(socket.SHUT_RDWR)
+        for candidate in opened:
+            if candidate.sock is not None:
+                with contextlib.suppress(OSError):
+                    candidate.sock.shutdown(socket.SHUT_RDWR)
 
     timer = threading.Timer(max(0.0, deadline - time.monotonic()), abort)
     timer.start()
     try:
+        connection = None
+        failure: OSError | None = None
+        for address in destination.addresses:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _TimedOut
+            candidate = _connection(destination, address, remaining)
+            opened.append(candidate)
+            try:
+                candidate.connect()
+            except OSError as error:
+                if timed_out.is_set() or isinstance(error, TimeoutError):
+                    raise _TimedOut from error
+                failure = error
+                continue
+            connection = candidate
+            break
+        if connection is None:
+            raise failure or OSError("no address to connect to")
         connection.request(
             "POST", destination.target, body=request.body, headers=request.headers
         )
@@ -246,7 +252,8 @@ def _post(
         raise
     finally:
         timer.cancel()
-        connection.close()
+        for candidate in opened:
+            candidate.close()
 
 
 class _PinnedHTTP(http.client.HTTPConnection):
@@ -272,6 +279,7 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
     def connect(self) -> None:
         raw = socket.create_connection((self.address, self.port), self.timeout)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = raw  # so that the deadline can cut the handshake short
         self.sock = self.tls.wrap_socket(raw, server_hostname=self.host)
 
 

@@ -5,6 +5,7 @@ each request as the test scripts it and recording what arrived (the
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,8 @@ class Answer:
 class Receiver:
     """Answers requests in the order scripted (``answers``), then with 200."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self.received: list[Received] = []
         self.answers: list[Answer] = []
         self.arrived = threading.Condition()
@@ -74,12 +76,16 @@ class Receiver:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"https://localhost:{self.server.server_address[1]}/hooks"
         return f"http://127.0.0.1:{self.server.server_address[1]}/hooks"
 
     def wait_for(self, n: int, timeout: float = 30) -> list[Received]:
