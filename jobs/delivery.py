@@ -17,11 +17,15 @@ writes them with the event). An attempt is:
 
 Timing. A first attempt is queued for the cluster when the event commits
 (``deliver_webhooks``). Retries need a clock: django-q2's scheduler looks only
-every 30 s and schedules no more often than every minute, so the scheduled
-``dispatch_webhooks`` runs every minute and, while an attempt falls due within
-``HORIZON`` (longer than the gap between two scheduled runs), stays and polls
-every second, for at most ``BUDGET`` seconds a run. One dispatcher at a time
-holds a lease on the database's clock; a killed one's lease runs out.
+every 30 s and schedules no more often than every minute. So a dispatcher
+(``dispatch_webhooks``: scheduled every minute, and also what a first-attempt
+task becomes) stays while an attempt falls due within ``HORIZON`` (longer than
+the gap between two scheduled runs) and looks every second. After ``BUDGET``
+seconds it queues its successor and stops: the successor alone may take over
+(scheduled runs stand aside meanwhile), so retries stay on time without one
+task holding a cluster worker for minutes. One dispatcher at a time holds a
+lease on the database's clock; a killed one's lease runs out, and a successor
+that never starts stops counting after ``HANDOVER_STALE``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django_q.tasks import async_task
 
 from . import transitions
 from .destinations import Destination, DestinationRefused, resolve
@@ -54,8 +59,11 @@ log = logging.getLogger("recall.webhooks")
 # A dispatcher stays while an attempt falls due within this long: more than the
 # longest gap between two scheduled runs (a minute, plus up to 30 s late).
 HORIZON = timedelta(seconds=120)
-# Seconds one dispatcher run lasts at most (the cluster's task timeout is 240).
-BUDGET = 150.0
+# Seconds one dispatcher run lasts at most before it hands over to a successor
+# it queues (less than the schedule's minute: a single cluster worker keeps up).
+BUDGET = 50.0
+# The successor's task.
+DISPATCH_TASK = "jobs.tasks.dispatch_webhooks"
 # How often a staying dispatcher looks for due attempts.
 POLL_SECONDS = 1.0
 # Attempts one process makes at once.
@@ -293,25 +301,32 @@ def _connection(
 # --- The dispatcher ---------------------------------------------------------------
 
 
-def dispatch(ids: Sequence[int] | None = None, *, budget: float = BUDGET) -> Report:
-    """Deliver ``ids`` now (a first attempt), then act as the dispatcher while
-    an attempt falls due within ``HORIZON``, for at most ``budget`` seconds.
-    Returns at once when another dispatcher holds the lease: it covers them."""
+def dispatch(
+    ids: Sequence[int] | None = None,
+    *,
+    handover: str = "",
+    budget: float = BUDGET,
+) -> Report:
+    """Deliver ``ids`` now (first attempts), then act as the dispatcher while
+    an attempt falls due within ``HORIZON``. Returns at once when another
+    dispatcher holds the lease, or a successor is awaited (``handover`` is the
+    successor's token): they cover the rest. After ``budget`` seconds, with
+    attempts still due soon, it queues its successor and stops, so one
+    cluster worker is never held for long and other tasks (the sweep) run in
+    between."""
     started = time.monotonic()
     report = Report()
     if ids:
         report.add(deliver(ids))
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     ttl = attempt_lease() + timedelta(seconds=POLL_SECONDS)
-    while time.monotonic() - started < budget:
-        if not transitions.acquire_webhook_dispatcher(owner, ttl=ttl):
-            break
+    while transitions.acquire_webhook_dispatcher(owner, ttl=ttl, handover=handover):
+        handover = ""
         try:
-            while time.monotonic() - started < budget:
-                report.add(deliver())
-                wait = seconds_until_due()
-                if wait is None:
-                    break
+            while (wait := _deliver_due(report)) is not None:
+                if time.monotonic() - started >= budget:
+                    _hand_over(owner)
+                    return report
                 time.sleep(min(POLL_SECONDS, wait))
                 transitions.acquire_webhook_dispatcher(owner, ttl=ttl)
         finally:
@@ -321,6 +336,17 @@ def dispatch(ids: Sequence[int] | None = None, *, budget: float = BUDGET) -> Rep
         if seconds_until_due() is None:
             break
     return report
+
+
+def _deliver_due(report: Report) -> float | None:
+    report.add(deliver())
+    return seconds_until_due()
+
+
+def _hand_over(owner: str) -> None:
+    token = uuid.uuid4().hex
+    if transitions.hand_over_webhook_dispatcher(owner, token):
+        async_task(DISPATCH_TASK, handover=token)
 
 
 def seconds_until_due() -> float | None:

@@ -638,12 +638,16 @@ class WebhookAttempt(models.Model):
 class WebhookDispatch(models.Model):
     """A single row: the lease of the one dispatcher polling for due retries
     (``jobs.delivery``), on the database's clock, so a killed one does not
-    block the next for long."""
+    block the next for long; and the token of the successor a dispatcher
+    queued when its time ran out (``handover``), which only that successor
+    may take (or anyone, once it is stale)."""
 
     SINGLETON = 1
 
     locked_until = models.DateTimeField(null=True, blank=True)
     locked_by = models.CharField(max_length=100, blank=True, default="")
+    handover = models.CharField(max_length=64, blank=True, default="")
+    handover_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"webhook dispatcher (locked until {self.locked_until})"

@@ -17,6 +17,7 @@ def deliver_webhooks(delivery_ids: list[int]) -> dict:
     return dispatch(delivery_ids).as_dict()
 
 
-def dispatch_webhooks() -> dict:
-    """The scheduled dispatcher (``recall-webhooks`` schedule, every minute)."""
-    return dispatch().as_dict()
+def dispatch_webhooks(handover: str = "") -> dict:
+    """The dispatcher: scheduled every minute (``recall-webhooks``), or queued
+    by the previous one as its successor (``handover``)."""
+    return dispatch(handover=handover).as_dict()

@@ -68,6 +68,7 @@ __all__ = [
     "finish_interrupted_cancel",
     "force_reclaim",
     "force_reclaim_many",
+    "hand_over_webhook_dispatcher",
     "heal_item",
     "heartbeat",
     "now",
@@ -460,9 +461,15 @@ def record_webhook_attempt(
 
 
 def acquire_webhook_dispatcher(
-    owner: str, *, ttl: timedelta, now: datetime | None = None
+    owner: str, *, ttl: timedelta, handover: str = "", now: datetime | None = None
 ) -> bool:
-    return webhooks.acquire_dispatcher(owner, now=_now(now), ttl=ttl)
+    return webhooks.acquire_dispatcher(owner, now=_now(now), ttl=ttl, handover=handover)
+
+
+def hand_over_webhook_dispatcher(
+    owner: str, token: str, *, now: datetime | None = None
+) -> bool:
+    return webhooks.hand_over_dispatcher(owner, token, now=_now(now))
 
 
 def release_webhook_dispatcher(owner: str) -> None:

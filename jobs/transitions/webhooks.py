@@ -305,16 +305,34 @@ def record_attempt(claimed: Claimed, outcome: Outcome, *, now: datetime) -> str 
 
 # --- The dispatcher's lease -----------------------------------------------------------
 
+# A successor a dispatcher queued but that has not started for this long (lost,
+# or stuck behind long tasks) no longer keeps scheduled dispatchers away.
+HANDOVER_STALE = timedelta(minutes=3)
 
-def acquire_dispatcher(owner: str, *, now: datetime, ttl: timedelta) -> bool:
-    """Take (or extend) the dispatcher's lease unless another owner holds it."""
+
+def acquire_dispatcher(
+    owner: str, *, now: datetime, ttl: timedelta, handover: str = ""
+) -> bool:
+    """Take (or extend) the dispatcher's lease, unless another owner holds it
+    or a successor is awaited (``handover``: the awaited successor's token)."""
     WebhookDispatch.objects.get_or_create(pk=WebhookDispatch.SINGLETON)
+    free = Q(locked_until__isnull=True) | Q(locked_until__lt=now) | Q(locked_by=owner)
+    expected = Q(handover="") | Q(handover_at__lt=now - HANDOVER_STALE)
+    if handover:
+        expected |= Q(handover=handover)
     return bool(
         WebhookDispatch.objects.filter(pk=WebhookDispatch.SINGLETON)
-        .filter(
-            Q(locked_until__isnull=True) | Q(locked_until__lt=now) | Q(locked_by=owner)
-        )
-        .update(locked_until=now + ttl, locked_by=owner)
+        .filter(free, expected)
+        .update(locked_until=now + ttl, locked_by=owner, handover="", handover_at=None)
+    )
+
+
+def hand_over_dispatcher(owner: str, token: str, *, now: datetime) -> bool:
+    """Release the lease to the successor with ``token`` only."""
+    return bool(
+        WebhookDispatch.objects.filter(
+            pk=WebhookDispatch.SINGLETON, locked_by=owner
+        ).update(locked_until=None, locked_by="", handover=token, handover_at=now)
     )
 
 

@@ -370,3 +370,47 @@ def test_redelivery_reaches_endpoints_added_since(worker, receiver):
     delivery.deliver(now=later(1))
 
     assert [json.loads(r.body)["type"] for r in receiver.received] == ["batch.finished"]
+
+
+def test_a_dispatcher_out_of_time_hands_over_to_the_successor_it_queues(worker):
+    """Its budget spent with an attempt still due soon, the dispatcher queues
+    one successor; scheduled dispatchers stand aside until that successor has
+    started (or is stale), so there is one chain, never a pile of them."""
+    from jobs.models import WebhookDispatch
+    from jobs.transitions.webhooks import HANDOVER_STALE
+
+    make_endpoint()
+    finished_batch(worker, at=transitions.now())
+    WebhookDelivery.objects.update(
+        next_attempt_at=transitions.now() + timedelta(seconds=60)
+    )
+
+    assert delivery.dispatch(budget=0).as_dict() == delivery.Report().as_dict()
+
+    state = WebhookDispatch.objects.get()
+    assert (state.locked_by, len(state.handover)) == ("", 32)
+    [queued] = OrmQ.objects.all()
+    task = SignedPackage.loads(queued.payload)
+    assert task["func"] == "jobs.tasks.dispatch_webhooks"
+    assert task["kwargs"] == {"handover": state.handover}
+    assert not transitions.acquire_webhook_dispatcher("scheduled", ttl=timedelta(1))
+    assert transitions.acquire_webhook_dispatcher(
+        "successor", ttl=timedelta(seconds=5), handover=state.handover
+    )
+    transitions.release_webhook_dispatcher("successor")
+    assert WebhookDispatch.objects.get().handover == ""
+
+    # A successor that never starts stops counting after a while.
+    WebhookDispatch.objects.update(
+        handover="lost", handover_at=transitions.now() - HANDOVER_STALE
+    )
+    assert transitions.acquire_webhook_dispatcher("scheduled", ttl=timedelta(1))
+
+
+def test_an_idle_dispatcher_stops_at_once(worker):
+    from jobs.models import WebhookDispatch
+
+    assert delivery.dispatch(budget=0).as_dict() == delivery.Report().as_dict()
+    state = WebhookDispatch.objects.get()
+    assert (state.locked_by, state.handover) == ("", "")
+    assert not OrmQ.objects.exists()
