@@ -25,15 +25,26 @@ from batches.models import (
     BatchMinute,
 )
 from jobs import transitions
-from jobs.models import Event, Job, Lease, Worker
+from jobs.models import (
+    Event,
+    Job,
+    Lease,
+    WebhookAttempt,
+    WebhookDelivery,
+    WebhookEvent,
+    Worker,
+)
 
 ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weighted
 
 
 def reset() -> None:
-    """Empty every batch, item, job, ledger and event row (workers stay)."""
+    """Empty every batch, item, job, ledger and event row, and the webhook
+    outbox (workers stay)."""
+    outbox = (WebhookAttempt, WebhookDelivery, WebhookEvent)
     tables = [
-        m._meta.db_table for m in (Event, Lease, Job, BatchMinute, BatchCounter)
+        m._meta.db_table
+        for m in (*outbox, Event, Lease, Job, BatchMinute, BatchCounter)
     ] + [BatchItem._meta.db_table, Batch._meta.db_table]
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {', '.join(tables)}")
