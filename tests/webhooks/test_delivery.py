@@ -414,3 +414,23 @@ def test_an_idle_dispatcher_stops_at_once(worker):
     state = WebhookDispatch.objects.get()
     assert (state.locked_by, state.handover) == ("", "")
     assert not OrmQ.objects.exists()
+
+
+def test_the_readmes_verification_snippet_verifies_a_real_delivery(worker, receiver):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = re.search(r"To verify, in Python:\n\n```python\n(.*?)```", readme, re.S)
+    namespace: dict = {}
+    exec(snippet.group(1), namespace)  # the documentation's own code
+    endpoint = make_endpoint(receiver.url)
+    finished_batch(worker, at=transitions.now())
+
+    delivery.deliver()  # now: the database's clock, so the timestamp is fresh
+
+    [request] = receiver.received
+    assert namespace["verify"](endpoint.secret, request.headers, request.body)
+    assert not namespace["verify"](
+        endpoint.secret, request.headers, request.body + b" "
+    )
