@@ -147,7 +147,11 @@ def test_api_answers_503_while_the_database_is_down_and_recovers(server):
     status, body = _request(base, "/api/v1/claim", token, {})
     assert status == 200
     held = body["job"]
-    workers_before = _booted_workers(server["log"])
+    # Both gunicorn workers have booted (on a busy machine the second may log
+    # its boot after the first has already served requests).
+    workers_before = _wait_until(
+        lambda: n if (n := _booted_workers(server["log"])) >= 2 else None
+    )
 
     pg.stop("immediate")  # a crash, not a clean shutdown
 
