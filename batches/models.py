@@ -12,6 +12,7 @@ from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import F, Q, Sum
+from django.urls import reverse
 from django.utils import timezone
 
 # Fair share (stride scheduling): each claim that a batch wins over another open
@@ -53,8 +54,9 @@ class Batch(models.Model):
     """A named set of items submitted together.
 
     ``paused_at`` and ``cancelled_at`` record operator intent; ``finished_at`` is
-    set by the sweep once no item is queued or in flight (and cleared when items
-    are queued again), so claims skip finished batches without counting them.
+    set by the transition that leaves no item queued or in flight (or by the
+    sweep, which heals a missed one), and cleared when items are queued again,
+    so claims skip finished batches without counting them.
     Live state for display comes from the counters, never from these timestamps.
     """
 
@@ -96,6 +98,9 @@ class Batch(models.Model):
     paused_at = models.DateTimeField(null=True, blank=True)
     cancelled_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # How many times the batch has finished: each finish is one generation, and
+    # writes exactly one ``batch.finished`` outbox event keyed (batch, generation).
+    finishes = models.PositiveIntegerField(default=0)
     # Set when a repair found an item in an unexpected status: the counters may be
     # off by that item until the next sweep recounts the batch.
     recount_requested_at = models.DateTimeField(null=True, blank=True)
@@ -145,6 +150,9 @@ class Batch(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def get_absolute_url(self) -> str:
+        return reverse("batch-detail", args=[self.pk])
 
     @property
     def stride(self) -> int:

@@ -21,7 +21,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
 from django.core.exceptions import RequestDataTooBig
 from django.core.paginator import Paginator
-from django.db.models import QuerySet
+from django.db.models import Count, Prefetch, QuerySet
 from django.http import (
     Http404,
     HttpRequest,
@@ -37,7 +37,14 @@ from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs import transitions
-from jobs.models import Job, JobStatus
+from jobs.models import (
+    DeliveryStatus,
+    Job,
+    JobStatus,
+    WebhookDelivery,
+    WebhookEvent,
+    WebhookEventType,
+)
 
 from . import exports
 from .background import stale_after, start_intake
@@ -168,6 +175,42 @@ def _items_page(items, request: HttpRequest, count: int | None) -> ItemsPage:
     )
 
 
+# Finishes of a batch whose webhook deliveries the page shows (newest first).
+WEBHOOK_EVENTS_SHOWN = 5
+
+
+def _webhooks(batch: Batch) -> dict:
+    """The batch's batch.finished events with their deliveries' state, and the
+    state of its item.failed deliveries, counted (two or three small queries)."""
+    deliveries = WebhookDelivery.objects.select_related("endpoint").order_by("pk")
+    events = list(
+        WebhookEvent.objects.for_batch(batch)
+        .filter(type=WebhookEventType.BATCH_FINISHED)
+        .prefetch_related(Prefetch("deliveries", queryset=deliveries))
+        .order_by("-pk")[:WEBHOOK_EVENTS_SHOWN]
+    )
+    item_failed = dict(
+        WebhookDelivery.objects.filter(
+            event__batch=batch, event__type=WebhookEventType.ITEM_FAILED
+        )
+        .values("status")
+        .annotate(n=Count("pk"))
+        .values_list("status", "n")
+        .order_by()
+    )
+    pending = item_failed.get(DeliveryStatus.PENDING, 0) > 0 or any(
+        d.status == DeliveryStatus.PENDING
+        for event in events
+        for d in event.deliveries.all()
+    )
+    return {
+        "events": events,
+        "item_failed": item_failed,
+        "item_failed_total": sum(item_failed.values()),
+        "pending": pending,
+    }
+
+
 def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -> dict:
     now = transitions.now()
     progress = progress_for(batch, now=now, chart=chart)
@@ -175,10 +218,15 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
     items, count = _items(batch, form, progress.counts)
     page = _items_page(items, request, count)
     user = request.user
+    webhooks = _webhooks(batch) if chart else None
     return {
         "batch": batch,
         "progress": progress,
         "chart": chart_geometry(progress.chart) if chart else None,
+        "webhooks": webhooks,
+        # The live region refreshes until the batch is final and its webhooks
+        # are delivered (or given up).
+        "live_final": progress.is_final and not (webhooks and webhooks["pending"]),
         "form": form,
         "page": page,
         "filtered": bool(
@@ -224,7 +272,7 @@ def batch_live(request: HttpRequest, pk: int) -> HttpResponse:
     batch = get_object_or_404(Batch, pk=pk)
     context = _detail_context(request, batch)
     response = render(request, "batches/_detail_live.html", context)
-    return fragment(response, final=context["progress"].is_final)
+    return fragment(response, final=context["live_final"])
 
 
 @require_GET

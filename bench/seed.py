@@ -25,18 +25,37 @@ from batches.models import (
     BatchMinute,
 )
 from jobs import transitions
-from jobs.models import Event, Job, Lease, Worker
+from jobs.models import (
+    Event,
+    Job,
+    Lease,
+    WebhookAttempt,
+    WebhookDelivery,
+    WebhookEvent,
+    Worker,
+)
 
 ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weighted
 
 
 def reset() -> None:
-    """Empty every batch, item, job, ledger and event row (workers stay)."""
+    """Empty every batch, item, job, ledger and event row, the intakes and the
+    webhook outbox (workers stay)."""
     from batches.intakes import Intake, IntakeChunk
 
+    outbox = (WebhookAttempt, WebhookDelivery, WebhookEvent)
     tables = [
         m._meta.db_table
-        for m in (Event, Lease, Job, BatchMinute, BatchCounter, IntakeChunk, Intake)
+        for m in (
+            *outbox,
+            Event,
+            Lease,
+            Job,
+            BatchMinute,
+            BatchCounter,
+            IntakeChunk,
+            Intake,
+        )
     ] + [BatchItem._meta.db_table, Batch._meta.db_table]
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {', '.join(tables)}")

@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Count, F, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, F, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from batches.models import (
@@ -23,7 +23,15 @@ from batches.models import (
 )
 
 from . import transitions
-from .models import Job, JobStatus, Lease, LeaseEnd, agreeing_item_status
+from .models import (
+    Job,
+    JobStatus,
+    Lease,
+    LeaseEnd,
+    WebhookEvent,
+    WebhookEventType,
+    agreeing_item_status,
+)
 
 # Report at most this many offending rows per check.
 SAMPLE = 20
@@ -57,6 +65,7 @@ def find_violations(
         _attempts_within_limits,
         _counters_match_items,
         _finished_batches_are_finished,
+        _one_event_per_finish,
     ]
     if stale_leases:
         checks.insert(2, _no_stale_leases)
@@ -230,4 +239,36 @@ def _finished_batches_are_finished(now: datetime) -> list[Violation]:
         "finished-batches-have-no-work",
         rows,
         lambda r: f"batch {r} is marked finished but has queued or transcribing items",
+    )
+
+
+def _one_event_per_finish(now: datetime) -> list[Violation]:
+    """Each of a batch's finishes (``Batch.finishes``) has its batch.finished
+    event, generations 1 to finishes, and there is no other."""
+    events = WebhookEvent.objects.filter(
+        batch=OuterRef("pk"), type=WebhookEventType.BATCH_FINISHED
+    ).order_by()
+    rows = list(
+        Batch.objects.annotate(
+            finish_events=Coalesce(
+                Subquery(events.values("batch").annotate(n=Count("pk")).values("n")),
+                0,
+            ),
+            last=Coalesce(
+                Subquery(
+                    events.values("batch").annotate(m=Max("generation")).values("m")
+                ),
+                0,
+            ),
+        )
+        .filter(~Q(finish_events=F("finishes")) | ~Q(last=F("finishes")))
+        .values_list("pk", "finishes", "finish_events")[:SAMPLE]
+    )
+    return _sample(
+        "one-event-per-finish",
+        rows,
+        lambda r: (
+            f"batch {r[0]} finished {r[1]} time(s) but has {r[2]} "
+            f"batch.finished event(s)"
+        ),
     )

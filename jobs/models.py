@@ -15,7 +15,8 @@ from enum import StrEnum
 
 from django.conf import settings
 from django.db import models
-from django.db.models import F, Q
+from django.db.models import F, Min, Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem, ItemStatus
@@ -394,3 +395,289 @@ class SweepState(models.Model):
 
     def __str__(self) -> str:
         return f"sweep state (last finished {self.last_finished_at})"
+
+
+# --- Webhooks: endpoints, the outbox, deliveries and their attempts -------------
+
+
+class WebhookEventType(models.TextChoices):
+    BATCH_FINISHED = "batch.finished"
+    ITEM_FAILED = "item.failed"
+    TEST = "webhook.test"  # sent from the admin to one endpoint, on request
+
+
+# What an endpoint can subscribe to, and what it gets when it does not say.
+SUBSCRIBABLE_EVENTS = (WebhookEventType.BATCH_FINISHED, WebhookEventType.ITEM_FAILED)
+DEFAULT_EVENTS = (WebhookEventType.BATCH_FINISHED,)
+
+
+class WebhookEndpointQuerySet(models.QuerySet["WebhookEndpoint"]):
+    def subscribed_to(self, event_type: str) -> list[WebhookEndpoint]:
+        """The active endpoints that take ``event_type`` (endpoints are few: the
+        subscription list is filtered here rather than by a JSON query)."""
+        return [e for e in self.filter(is_active=True) if e.subscribes(event_type)]
+
+
+class WebhookEndpoint(models.Model):
+    """A URL that is sent Recall's events, signed with its own secret.
+
+    The secret is stored encrypted (``jobs.webhook_secrets``): it must be usable
+    to sign, so a hash would not do. During a rotation the previous secret
+    stays valid (signed with too) until ``previous_secret_expires_at``.
+    """
+
+    url = models.CharField(max_length=2000)
+    # Comma-separated event types (SUBSCRIBABLE_EVENTS).
+    events = models.CharField(max_length=200, default=",".join(DEFAULT_EVENTS))
+    description = models.CharField(max_length=200, blank=True, default="")
+    is_active = models.BooleanField(default=True)
+    disabled_reason = models.TextField(blank=True, default="")
+    secret_encrypted = models.TextField()
+    previous_secret_encrypted = models.TextField(blank=True, default="")
+    previous_secret_expires_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = WebhookEndpointQuerySet.as_manager()
+
+    class Meta:
+        permissions = [
+            ("rotate_webhook_secret", "Can rotate a webhook endpoint's secret"),
+            ("send_test_webhook", "Can send a test event to a webhook endpoint"),
+        ]
+
+    def __str__(self) -> str:
+        return self.url
+
+    def event_types(self) -> list[str]:
+        return [e for e in self.events.split(",") if e]
+
+    def subscribes(self, event_type: str) -> bool:
+        return event_type in self.event_types()
+
+
+class WebhookEventQuerySet(models.QuerySet):
+    def for_batch(self, batch: Batch | int) -> WebhookEventQuerySet:
+        return self.filter(batch=batch)
+
+
+class WebhookEvent(models.Model):
+    """The outbox: one row per event, written by the transition that caused it,
+    in its transaction. ``body`` is the exact JSON sent on every attempt, and
+    ``webhook_id`` the ``webhook-id`` header (the receiver's idempotency key).
+
+    A batch's n-th finish is the ``batch.finished`` event of generation n
+    (``Batch.finishes``); a unique constraint makes a second one impossible.
+    """
+
+    webhook_id = models.CharField(max_length=64, unique=True)
+    type = models.CharField(max_length=32, choices=WebhookEventType.choices)
+    batch = models.ForeignKey(
+        Batch,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="webhook_events",
+    )
+    generation = models.PositiveIntegerField(null=True, blank=True)
+    item = models.ForeignKey(
+        BatchItem,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="+",
+        db_index=False,
+    )
+    created_at = models.DateTimeField()
+    body = models.TextField()
+
+    objects = WebhookEventQuerySet.as_manager()
+
+    class Meta:
+        permissions = [("redeliver_webhookevent", "Can redeliver webhook events")]
+        indexes = [models.Index(fields=["batch", "id"], name="webhook_event_batch")]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(type__in=WebhookEventType.values),
+                name="webhook_event_type_valid",
+            ),
+            models.CheckConstraint(
+                condition=~Q(type=WebhookEventType.BATCH_FINISHED)
+                | Q(batch__isnull=False, generation__isnull=False),
+                name="webhook_finish_has_generation",
+            ),
+            models.UniqueConstraint(
+                fields=["batch", "generation"],
+                condition=Q(type=WebhookEventType.BATCH_FINISHED),
+                name="webhook_one_event_per_finish",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.webhook_id}"
+
+
+class DeliveryStatus(models.TextChoices):
+    PENDING = "pending"  # due at next_attempt_at (or in flight, under a lease)
+    DELIVERED = "delivered"  # a 2xx answered
+    FAILED = "failed"  # gave up: out of attempts, or the endpoint answered 410
+
+
+class WebhookDeliveryQuerySet(models.QuerySet):
+    """Reads: chain freely, never write."""
+
+    def due(self, now: datetime) -> WebhookDeliveryQuerySet:
+        """Pending deliveries to active endpoints whose next attempt is due and
+        not in flight (or in flight under a lease that ran out: its process
+        died)."""
+        return self.filter(
+            status=DeliveryStatus.PENDING,
+            next_attempt_at__lte=now,
+            endpoint__is_active=True,
+        ).filter(Q(leased_until__isnull=True) | Q(leased_until__lt=now))
+
+    def next_due_at(self) -> datetime | None:
+        """When the next attempt to an active endpoint falls due (an attempt in
+        flight: when its lease runs out), or None if nothing is pending."""
+        due: datetime | None = self.filter(
+            status=DeliveryStatus.PENDING, endpoint__is_active=True
+        ).aggregate(at=Min(Coalesce("leased_until", "next_attempt_at")))["at"]
+        return due
+
+
+class WebhookDelivery(models.Model):
+    """One event for one endpoint: its state, and the lease of the attempt in
+    flight (claimed by compare-and-set, so two clusters never send the same
+    attempt at once; a killed cluster's lease runs out and the attempt is
+    made again, with the same ``webhook-id``)."""
+
+    event = models.ForeignKey(
+        WebhookEvent, on_delete=models.CASCADE, related_name="deliveries"
+    )
+    endpoint = models.ForeignKey(
+        WebhookEndpoint, on_delete=models.CASCADE, related_name="deliveries"
+    )
+    status = models.CharField(
+        max_length=16, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    lease_token = models.CharField(  # noqa: DJ001 (NULL: no attempt in flight)
+        max_length=64, null=True, blank=True
+    )
+    leased_until = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+
+    objects = WebhookDeliveryQuerySet.as_manager()
+
+    class Meta:
+        verbose_name_plural = "webhook deliveries"
+        indexes = [
+            # The dispatcher's question: what is due next?
+            models.Index(
+                fields=["next_attempt_at"],
+                name="webhook_delivery_due",
+                condition=Q(status=DeliveryStatus.PENDING),
+            ),
+            models.Index(fields=["endpoint", "status"], name="webhook_delivery_ep"),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["event", "endpoint"], name="webhook_one_delivery_per_endpoint"
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=DeliveryStatus.values),
+                name="webhook_delivery_status_valid",
+            ),
+            models.CheckConstraint(
+                condition=Q(
+                    status=DeliveryStatus.PENDING, next_attempt_at__isnull=False
+                )
+                | (
+                    ~Q(status=DeliveryStatus.PENDING)
+                    & Q(
+                        next_attempt_at__isnull=True,
+                        lease_token__isnull=True,
+                        finished_at__isnull=False,
+                    )
+                ),
+                name="webhook_delivery_fields_match_status",
+            ),
+            models.CheckConstraint(
+                condition=Q(lease_token__isnull=True, leased_until__isnull=True)
+                | Q(lease_token__isnull=False, leased_until__isnull=False),
+                name="webhook_delivery_lease_fields_together",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"delivery {self.pk} of event {self.event_id} to {self.endpoint_id}"
+
+    def summary(self) -> str:
+        """One line for people: "delivered 12:04, 3 attempts"."""
+        tries = f"{self.attempts} attempt{'s' * (self.attempts != 1)}"
+        if self.status == DeliveryStatus.DELIVERED and self.finished_at:
+            return f"delivered {_clock(self.finished_at)}, {tries}"
+        if self.status == DeliveryStatus.FAILED and self.finished_at:
+            return (
+                f"gave up {_clock(self.finished_at)} after {tries}: {self.last_error}"
+            )
+        if self.lease_token is not None:
+            return f"sending now (attempt {self.attempts})"
+        if self.attempts == 0:
+            return "pending: first attempt due now"
+        due = _clock(self.next_attempt_at) if self.next_attempt_at else "?"
+        return f"retrying at {due}; {tries} so far, last: {self.last_error}"
+
+
+def _clock(moment: datetime) -> str:
+    return timezone.localtime(moment).strftime("%H:%M")
+
+
+class WebhookAttempt(models.Model):
+    """One HTTP attempt of a delivery: when, what came back, how long it took.
+
+    Written when the attempt is claimed; an attempt whose process was killed
+    keeps ``finished_at`` empty (and is marked interrupted when the delivery
+    is claimed again)."""
+
+    delivery = models.ForeignKey(
+        WebhookDelivery, on_delete=models.CASCADE, related_name="attempt_log"
+    )
+    number = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.PositiveIntegerField(null=True, blank=True)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    response_excerpt = models.TextField(blank=True, default="")
+    error = models.TextField(blank=True, default="")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["delivery", "number"], name="webhook_attempt_number_unique"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} of delivery {self.delivery_id}"
+
+
+class WebhookDispatch(models.Model):
+    """A single row: the lease of the one dispatcher polling for due retries
+    (``jobs.delivery``), on the database's clock, so a killed one does not
+    block the next for long; and the token of the successor a dispatcher
+    queued when its time ran out (``handover``), which only that successor
+    may take (or anyone, once it is stale)."""
+
+    SINGLETON = 1
+
+    locked_until = models.DateTimeField(null=True, blank=True)
+    locked_by = models.CharField(max_length=100, blank=True, default="")
+    handover = models.CharField(max_length=64, blank=True, default="")
+    handover_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"webhook dispatcher (locked until {self.locked_until})"

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from .delivery import dispatch
 from .sweep import sweep as run_sweep
 
 
 def sweep() -> dict:
     """The scheduled sweep (``recall-sweep`` schedule, every minute)."""
     return run_sweep()
+
+
+def deliver_webhooks(delivery_ids: list[int]) -> dict:
+    """First attempts, queued when their event commits; then the dispatcher's
+    work while a retry falls due soon."""
+    return dispatch(delivery_ids).as_dict()
+
+
+def dispatch_webhooks(handover: str = "") -> dict:
+    """The dispatcher: scheduled every minute (``recall-webhooks``), or queued
+    by the previous one as its successor (``handover``)."""
+    return dispatch(handover=handover).as_dict()

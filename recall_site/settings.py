@@ -310,6 +310,32 @@ RECALL_SOURCE_SCHEMES = [
     if scheme.strip()
 ]
 
+# --- Webhooks (jobs/delivery.py; README "Webhooks") ---
+# Seconds to wait before each retry of a failed delivery (the Standard Webhooks
+# schedule by default): the first attempt is immediate, then one per delay.
+RECALL_WEBHOOK_RETRY_SECONDS = env.list(
+    "RECALL_WEBHOOK_RETRY_SECONDS",
+    cast=int,
+    default=[5, 300, 1800, 7200, 18000, 36000, 36000],
+)
+# A delivery attempt succeeds with a 2xx within this many seconds (in all).
+RECALL_WEBHOOK_TIMEOUT_SECONDS = env.int("RECALL_WEBHOOK_TIMEOUT_SECONDS", default=15)
+# Loopback and private networks as destinations (link-local and cloud metadata
+# addresses are refused whatever this says).
+RECALL_WEBHOOK_ALLOW_PRIVATE = env.bool("RECALL_WEBHOOK_ALLOW_PRIVATE", default=False)
+# After a secret is rotated, the old one is still signed with for this long.
+RECALL_WEBHOOK_ROTATION_HOURS = env.int("RECALL_WEBHOOK_ROTATION_HOURS", default=24)
+# Recall's public address, for the links in webhook payloads (e.g.
+# https://recall.example.com); without it they are paths.
+RECALL_PUBLIC_URL = env.str("RECALL_PUBLIC_URL", default="").rstrip("/")
+if any(delay < 0 for delay in RECALL_WEBHOOK_RETRY_SECONDS):
+    raise ImproperlyConfigured("RECALL_WEBHOOK_RETRY_SECONDS must not be negative.")
+if RECALL_WEBHOOK_TIMEOUT_SECONDS < 1 or RECALL_WEBHOOK_ROTATION_HOURS < 0:
+    raise ImproperlyConfigured(
+        "RECALL_WEBHOOK_TIMEOUT_SECONDS must be at least 1, and "
+        "RECALL_WEBHOOK_ROTATION_HOURS not negative."
+    )
+
 for _name in (
     "RECALL_LEASE_SECONDS",
     "RECALL_MAX_ATTEMPTS",

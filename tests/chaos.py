@@ -3,7 +3,7 @@
 Starts a private PostgreSQL server, gunicorn with several processes, the
 django-q2 cluster and many reference workers with short leases, on three
 batches of different weights (sizes in proportion) with one planted poison item
-(its engine kills the worker running it).
+(its engine kills the worker running it), and four small batches beside them.
 While it runs, it SIGKILLs random workers (and restarts them), SIGKILLs sweeps
 mid-pass and the django-q2 cluster, and crashes PostgreSQL once. Then it stops
 the violence, lets leases expire and sweeps run, and checks:
@@ -13,17 +13,26 @@ the violence, lets leases expire and sweeps run, and checks:
 * no job has more than one accepted completion;
 * no 5xx other than the documented 503 (database unavailable) was served;
 * while all three batches had work, claims and the leases held were shared
-  within 10 points of their weights' shares (fair share).
+  within 10 points of their weights' shares (fair share);
+* webhooks: a receiver (which fails some requests and stalls others past the
+  timeout) verified every signature and acknowledged every event; each batch
+  (the weighted ones, the small ones, one cancelled mid-run) has exactly one
+  batch.finished event, and the poison item its item.failed.
 
 It prints one summary line, e.g. ``chaos: 3000 jobs, 41 kills, 37 reclaims,
-1 db restart, lost 0, duplicated 0, mismatched 0, 5xx 0``, and exits 0 only if
-all is well. ``python -m tests.chaos --help`` lists the knobs.
+1 db restart, lost 0, duplicated 0, mismatched 0, 5xx 0 ...; webhooks: 7
+batches, 7 batch.finished (duplicated 0, missing 0), ...``, and exits 0 only
+if all is well. ``python -m tests.chaos --help`` lists the knobs.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import hashlib
+import hmac
+import json
 import os
 import random
 import re
@@ -34,6 +43,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psycopg
@@ -43,6 +53,13 @@ from tests.pgserver import PrivatePostgres, free_port
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 POISON = "chaos://poison/corrupt.wav"
+# The small batches beside the weighted ones; the last is cancelled mid-run.
+SMALL_BATCHES = 4
+SMALL_ITEMS = 15
+CANCELLED = f"chaos-small-{SMALL_BATCHES - 1}"
+# The weighted batches share the fleet at priority 0 (named chaos-w<weight>);
+# the small ones run before them (priority 1) or after (the cancelled one).
+WEIGHTED = "chaos-w"
 
 
 @dataclass
@@ -62,7 +79,8 @@ class Shares:
             "SELECT b.id, b.weight, now(), "
             "count(*) FILTER (WHERE j.status = 'leased'), "
             "count(*) FILTER (WHERE j.status = 'queued') "
-            "FROM batches_batch b JOIN jobs_job j ON j.batch_id = b.id GROUP BY b.id",
+            "FROM batches_batch b JOIN jobs_job j ON j.batch_id = b.id "
+            f"WHERE b.name LIKE '{WEIGHTED}%' GROUP BY b.id",
         )
         if any(queued == 0 for *_, queued in rows):
             self.window_end = rows[0][2]
@@ -84,6 +102,68 @@ class Tally:
     @property
     def kills(self) -> int:
         return self.worker_kills + self.sweep_kills + self.cluster_kills
+
+
+class Receiver:
+    """The webhook receiver: verifies every signature, remembers what it
+    acknowledged, and misbehaves on purpose (500s, and answers later than the
+    delivery timeout) so that deliveries are retried."""
+
+    def __init__(
+        self, rng: random.Random, *, fail: float, stall: float, stall_for: float
+    ):
+        self.secret = ""
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.bad_signatures = 0
+        self.acknowledged: dict[str, str] = {}  # webhook-id -> event type
+        chaos = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with chaos.lock:
+                    chaos.requests += 1
+                    good = chaos.verify(self.headers, body)
+                    chaos.bad_signatures += not good
+                    roll = rng.random()
+                if roll < stall:
+                    time.sleep(stall_for)  # the delivery gives up waiting first
+                status = 500 if roll < stall + fail or not good else 200
+                if status == 200:
+                    with chaos.lock:
+                        kind = json.loads(body)["type"]
+                        chaos.acknowledged[self.headers["webhook-id"]] = kind
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/recall-events"
+
+    def verify(self, headers, body: bytes) -> bool:
+        """Standard Webhooks, from the specification."""
+        try:
+            key = base64.b64decode(self.secret.removeprefix("whsec_"))
+            signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode()
+            expected = base64.b64encode(
+                hmac.new(key, signed + body, hashlib.sha256).digest()
+            ).decode()
+            return f"v1,{expected}" in headers["webhook-signature"].split(" ")
+        except (KeyError, ValueError, TypeError):
+            return False
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class Process:
@@ -157,6 +237,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"chaos: working in {work}", flush=True)
     processes: list[Process] = []
     stop_sweeps = threading.Event()
+    receiver = Receiver(
+        random.Random(args.seed + 1),
+        fail=args.webhook_fail_rate,
+        stall=0.05,
+        stall_for=args.webhook_timeout + 1,
+    )
     try:
         pg.start()
         url = pg.create_database()
@@ -175,6 +261,9 @@ def run(args: argparse.Namespace) -> int:
             "LOG_LEVEL": "WARNING",
             # The chaos engine's own sources: chaos://item/N.wav.
             "RECALL_SOURCE_SCHEMES": "chaos",
+            "RECALL_WEBHOOK_ALLOW_PRIVATE": "on",  # the receiver is on loopback
+            "RECALL_WEBHOOK_RETRY_SECONDS": "1,1,2,2,3,3,5,5,5,5",
+            "RECALL_WEBHOOK_TIMEOUT_SECONDS": str(args.webhook_timeout),
         }
         _manage(env, "migrate", "-v0")
         tokens = [
@@ -198,11 +287,32 @@ def run(args: argparse.Namespace) -> int:
             manifest = work / f"manifest-{n}.csv"
             manifest.write_text("source,duration_seconds\n" + "".join(lines[start:end]))
             _manage(
-                env, "create_batch", f"chaos-w{weight}", str(manifest),
+                env, "create_batch", f"{WEIGHTED}{weight}", str(manifest),
                 "--weight", str(weight),
             )  # fmt: skip
             start = end
         shares = Shares()
+        for b in range(SMALL_BATCHES):
+            small = work / f"small-{b}.txt"
+            small.write_text(
+                "".join(f"chaos://small/{b}/{i:03d}.wav\n" for i in range(SMALL_ITEMS))
+            )
+            # The one to be cancelled waits behind the big batch (queued when
+            # the operator cancels it); the others run first.
+            name = f"chaos-small-{b}"
+            priority = "-1" if name == CANCELLED else "1"
+            _manage(env, "create_batch", name, str(small), "--priority", priority)
+        receiver.secret = (
+            _manage(
+                env,
+                "create_webhook",
+                receiver.url,
+                "--events",
+                "batch.finished,item.failed",
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
 
         web_env = {
             **env,
@@ -258,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         next_kill = started + rng.uniform(0.5, 1.5) * args.kill_every
-        cluster_killed = db_restarted = False
+        cluster_killed = db_restarted = cancelled = False
         while (elapsed := time.monotonic() - started) < args.duration:
             if time.monotonic() >= next_kill:
                 victim = rng.choice(workers)
@@ -272,6 +382,9 @@ def run(args: argparse.Namespace) -> int:
                 tally.cluster_kills += 1
                 cluster.start()
                 cluster_killed = True
+            if not cancelled and elapsed > args.duration / 4:
+                _cancel(env, CANCELLED)  # while its items are in flight or queued
+                cancelled = True
             if not db_restarted and elapsed > args.duration / 2:
                 pg.restart("immediate")  # a crash: recovery from the WAL
                 tally.db_restarts += 1
@@ -299,11 +412,14 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(1)
         stop_sweeps.set()
         sweeper.join(timeout=60)
+        _manage(env, "recall_sweep")  # what a scheduled sweep would do next
+        _wait_for_webhooks(url, receiver, args.drain)  # the cluster delivers
         for process in reversed(processes):
             process.stop()
         _manage(env, "recall_sweep")  # what a scheduled sweep would do next
-        return _verdict(args, env, url, work, tally, remaining, shares)
+        return _verdict(args, env, url, work, tally, remaining, shares, receiver)
     finally:
+        receiver.close()
         stop_sweeps.set()
         for process in processes:
             process.kill()
@@ -333,6 +449,67 @@ def _sweeps_killed_mid_pass(
         stop.wait(rng.uniform(0.5, 2.0))
 
 
+def _cancel(env, name: str) -> None:
+    """An operator cancels a batch (the transition the UI's button calls)."""
+    _manage(
+        env,
+        "shell",
+        "-c",
+        "from batches.models import Batch; from jobs import transitions; "
+        f"transitions.cancel_batch(Batch.objects.get(name={name!r}))",
+    )
+
+
+def _event_ids(url: str) -> dict[str, str]:
+    return dict(_query(url, "SELECT webhook_id, type FROM jobs_webhookevent"))
+
+
+def _wait_for_webhooks(url: str, receiver: Receiver, timeout: float) -> None:
+    """Until the receiver has acknowledged every event (or ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with receiver.lock:
+            acknowledged = set(receiver.acknowledged)
+        if set(_event_ids(url)) <= acknowledged:
+            return
+        time.sleep(1)
+
+
+def _webhook_figures(url: str, receiver: Receiver) -> tuple[str, bool]:
+    batches = _scalar(url, "SELECT count(*) FROM batches_batch")
+    per_batch = _query(
+        url,
+        "SELECT b.id, b.finishes, count(e.id) FROM batches_batch b "
+        "LEFT JOIN jobs_webhookevent e ON e.batch_id = b.id "
+        "AND e.type = 'batch.finished' GROUP BY b.id, b.finishes",
+    )
+    duplicated = sum(1 for _, _, n in per_batch if n > 1)
+    missing = sum(1 for _, _, n in per_batch if n == 0)
+    events = _event_ids(url)
+    finished = sum(1 for kind in events.values() if kind == "batch.finished")
+    cancelled = _scalar(
+        url,
+        "SELECT count(*) FROM jobs_webhookevent WHERE type = 'batch.finished' "
+        """AND body LIKE '%"state":"cancelled"%'""",
+    )
+    failed = sum(1 for kind in events.values() if kind == "item.failed")
+    with receiver.lock:
+        acknowledged = set(receiver.acknowledged) & set(events)
+        requests, bad = receiver.requests, receiver.bad_signatures
+    undelivered = len(events) - len(acknowledged)
+    text = (
+        f"webhooks: {batches} batches, {finished} batch.finished "
+        f"(duplicated {duplicated}, missing {missing}, {cancelled} cancelled), "
+        f"{failed} item.failed, "
+        f"{len(acknowledged)}/{len(events)} delivered, undelivered {undelivered}, "
+        f"bad signatures {bad}, {requests} requests "
+        f"({requests - len(acknowledged)} failed on purpose or retried)"
+    )
+    ok = duplicated == missing == undelivered == bad == 0 and failed >= 1
+    ok = ok and cancelled == 1
+    return text, ok and finished == batches
+
+
 def _verdict(
     args,
     env,
@@ -341,13 +518,24 @@ def _verdict(
     tally: Tally,
     remaining: int | None,
     shares: Shares,
+    receiver: Receiver,
 ) -> int:
     statuses = dict(_query(url, "SELECT source, status FROM batches_batchitem"))
     poison_ok = statuses.get(POISON) == "failed"
+    cancelled_sources = {
+        source
+        for (source,) in _query(
+            url,
+            "SELECT i.source FROM batches_batchitem i JOIN batches_batch b "
+            f"ON b.id = i.batch_id WHERE b.name = '{CANCELLED}'",
+        )
+    }
     lost = sum(
         1
         for source, status in statuses.items()
-        if source != POISON and status != "done"
+        if source != POISON
+        and status != "done"
+        and not (source in cancelled_sources and status == "cancelled")
     )
     duplicated = _scalar(
         url,
@@ -368,12 +556,14 @@ def _verdict(
         work / "gunicorn.log", "Traceback"
     )
     fivexx = server_errors + crashes
+    webhooks, webhooks_ok = _webhook_figures(url, receiver)
     print(
         f"chaos: {len(statuses)} jobs, {tally.kills} kills ({tally.worker_kills} workers, "
         f"{tally.sweep_kills} sweeps, {tally.cluster_kills} cluster), {reclaims} reclaims, "
         f"{tally.db_restarts} db restart, lost {lost}, duplicated {duplicated}, "
         f"mismatched {mismatched}, 5xx {fivexx} (and {unavailable} documented 503s), "
-        f"poison {'failed as it should' if poison_ok else 'NOT failed: ' + str(statuses.get(POISON))}",
+        f"poison {'failed as it should' if poison_ok else 'NOT failed: ' + str(statuses.get(POISON))}; "
+        f"{webhooks}",
         flush=True,
     )
     if check.returncode != 0:
@@ -384,6 +574,7 @@ def _verdict(
         and poison_ok
         and remaining == 0
         and fair
+        and webhooks_ok
     )
     return 0 if ok else 1
 
@@ -403,7 +594,9 @@ def _fair_share(url: str, shares: Shares) -> bool:
             url,
             "SELECT j.batch_id, count(*) FROM jobs_lease l "
             "JOIN jobs_job j ON j.id = l.job_id "
-            f"WHERE l.claimed_at < '{shares.window_end.isoformat()}' GROUP BY 1",
+            "JOIN batches_batch b ON b.id = j.batch_id "
+            f"WHERE l.claimed_at < '{shares.window_end.isoformat()}' "
+            f"AND b.name LIKE '{WEIGHTED}%' GROUP BY 1",
         )
     )
     batches = sorted(shares.weights, key=lambda b: shares.weights[b])
@@ -493,6 +686,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--web-processes", type=int, default=3, help="gunicorn processes (default 3)"
+    )
+    parser.add_argument(
+        "--webhook-fail-rate",
+        type=float,
+        default=0.2,
+        help="share of webhook requests the receiver answers with 500 (default 0.2)",
+    )
+    parser.add_argument(
+        "--webhook-timeout",
+        type=int,
+        default=3,
+        help="RECALL_WEBHOOK_TIMEOUT_SECONDS for the run (default 3)",
     )
     parser.add_argument(
         "--seed", type=int, default=None, help="random seed (default: random)"

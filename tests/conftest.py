@@ -9,6 +9,7 @@ sets it, so a missing server cannot pass silently).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
@@ -17,6 +18,7 @@ from batches.models import Batch
 from jobs.models import Worker
 
 from .factories import T0, WorkerClient, is_postgres, make_batch, make_worker
+from .receiver import Receiver
 
 
 @pytest.hookimpl(trylast=True)
@@ -76,3 +78,13 @@ def api(worker) -> WorkerClient:
 @pytest.fixture
 def other_api(other_worker) -> WorkerClient:
     return WorkerClient(other_worker)
+
+
+@pytest.fixture
+def receiver(settings) -> Iterator[Receiver]:
+    """A real webhook receiver on 127.0.0.1 (which only
+    RECALL_WEBHOOK_ALLOW_PRIVATE=on lets Recall send to)."""
+    settings.RECALL_WEBHOOK_ALLOW_PRIVATE = True
+    receiver = Receiver()
+    yield receiver
+    receiver.close()

@@ -183,3 +183,26 @@ def make_user(username: str, *groups: str, **extra):
     for name in groups:
         user.groups.add(Group.objects.get(name=name))
     return user
+
+
+def make_endpoint(
+    url: str = "https://receiver.example/hooks",
+    events: tuple[str, ...] = ("batch.finished",),
+):
+    """A webhook endpoint (no destination check: nothing is sent to it unless a
+    test delivers), and its secret."""
+    endpoint, secret = transitions.create_webhook_endpoint(
+        url, events=list(events), now=T0
+    )
+    endpoint.secret = secret
+    return endpoint
+
+
+def finished_events(batch: Batch) -> list:
+    from jobs.models import WebhookEvent
+
+    return list(
+        WebhookEvent.objects.filter(batch=batch, type="batch.finished").order_by(
+            "generation"
+        )
+    )

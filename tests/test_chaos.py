@@ -39,5 +39,16 @@ def test_a_short_chaos_run_loses_nothing_and_lies_about_nothing():
     )
     assert "poison failed as it should" in summary[0]
     assert re.search(r"chaos: fair share ok: weights 1:2:3", result.stdout)
+    webhooks = re.search(
+        r"webhooks: (\d+) batches, (\d+) batch.finished \(duplicated 0, missing 0, "
+        r"1 cancelled\), (\d+) item.failed, (\d+)/(\d+) delivered, undelivered 0, "
+        r"bad signatures 0",
+        summary[0],
+    )
+    assert webhooks, summary[0]
+    batches, finished, failed, delivered, events = map(int, webhooks.groups())
+    assert batches == finished == 7  # three weighted, four small
+    assert failed >= 1
+    assert delivered == events == finished + failed
     kills = int(re.search(r"(\d+) kills", summary[0]).group(1))
     assert kills >= 10

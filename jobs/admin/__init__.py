@@ -16,10 +16,11 @@ the invariants the transitions keep:
 List pages stay cheap on tables of millions of rows: no COUNT(*) of a whole big
 table (``EstimatedCountPaginator``), related rows fetched in the page's query,
 filters that run no query or a tiny one, sorting only by id, search by id on
-the primary key index. One module per model; ``job_actions`` says what each
-bulk job action does.
+the primary key index. One module per model (``webhook`` holds the webhook
+endpoints, events and attempts); ``job_actions`` says what each bulk job
+action does.
 """
 
-from . import event, job, lease, log_entry, worker
+from . import event, job, lease, log_entry, webhook, worker
 
-__all__ = ["event", "job", "lease", "log_entry", "worker"]
+__all__ = ["event", "job", "lease", "log_entry", "webhook", "worker"]

@@ -1,11 +1,13 @@
 """Every state transition Recall makes, in one place.
 
 This package is the only code that writes jobs, items, lease-ledger rows,
-progress counters, throughput buckets, tallies and events. Each function below
-is one transition: it runs in one transaction (or in bounded transactions, for
-bulk actions) and moves, together, the job (``Job.status`` and its lease
-fields), its item (``item_status_for(job.status)``), the batch's counters and
-throughput bucket, and the job's ledger row, or writes nothing.
+progress counters, throughput buckets, tallies, events and the webhook outbox
+(events, their deliveries and attempts; ``outbox.py``, ``webhooks.py``). Each
+function below is one transition: it runs in one transaction (or in bounded
+transactions, for bulk actions) and moves, together, the job (``Job.status``
+and its lease fields), its item (``item_status_for(job.status)``), the batch's
+counters and throughput bucket, the job's ledger row and, when it finishes the
+batch, the batch's ``batch.finished`` event; or writes nothing.
 
 Two backends write the hot transitions (claim, complete, reclaim), chosen once
 per connection (``backends.py``): the portable ORM backend (``orm.py``, the
@@ -24,24 +26,28 @@ those rows themselves; they call these functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from datetime import datetime
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db.models import QuerySet
 
 from batches.models import Batch
-from jobs.models import Job, JobQuerySet, Worker
+from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
-from . import actions, repairs, workers
+from . import actions, repairs, webhooks, workers
 from .actions import Audit
 from .backends import backend
 from .orm import ItemRow
 from .rows import log_lease
+from .webhooks import Claimed, Outcome
 
 __all__ = [
     "Audit",
+    "Claimed",
     "ItemRow",
+    "Outcome",
+    "acquire_webhook_dispatcher",
     "authenticate_worker",
     "backend",
     "cancel_batch",
@@ -49,9 +55,11 @@ __all__ = [
     "cancel_job",
     "cancel_queued",
     "claim_next",
+    "claim_webhook_deliveries",
     "close_stray_leases",
     "complete",
     "create_batch",
+    "create_webhook_endpoint",
     "create_worker",
     "disable_and_reclaim",
     "drop_throughput",
@@ -61,22 +69,30 @@ __all__ = [
     "finish_interrupted_cancel",
     "force_reclaim",
     "force_reclaim_many",
+    "hand_over_webhook_dispatcher",
     "heal_item",
     "heartbeat",
     "now",
     "pause_batch",
     "reclaim_expired",
+    "record_webhook_attempt",
     "recount",
+    "redeliver_webhooks",
     "release",
+    "release_webhook_dispatcher",
     "reopen_batch",
     "restore_lease_row",
     "resume_batch",
     "retry_failed",
+    "rotate_webhook_secret",
     "rotate_worker_token",
+    "send_test_webhook",
     "set_share",
+    "set_webhook_endpoint_active",
     "set_worker_active",
     "settle",
     "touch_worker",
+    "webhook_signing_secrets",
 ]
 
 
@@ -359,7 +375,9 @@ def set_share(
 def settle(
     batches: QuerySet[Batch] | None = None, *, now: datetime | None = None
 ) -> int:
-    """Mark finished the batches (all, by default) with nothing left to do."""
+    """Mark finished the batches (all, by default) with nothing left to do,
+    each with its ``batch.finished`` event (the safety net: the transition
+    that finishes a batch normally marks it itself)."""
     return actions.settle(
         Batch.objects.all() if batches is None else batches, now=_now(now)
     )
@@ -413,3 +431,90 @@ def finish_interrupted_cancel(*, now: datetime | None = None) -> int:
 
 def drop_throughput(*, before: datetime) -> int:
     return repairs.drop_throughput(before=before)
+
+
+# --- Webhooks (events are written by the transitions above: outbox.py) ------------
+
+
+def create_webhook_endpoint(
+    url: str,
+    *,
+    events: Sequence[str],
+    description: str = "",
+    now: datetime | None = None,
+) -> tuple[WebhookEndpoint, str]:
+    """A new endpoint and its secret (shown once, stored encrypted). The caller
+    has checked the destination (``jobs.endpoints``)."""
+    return webhooks.create_endpoint(
+        url, events=events, description=description, now=_now(now)
+    )
+
+
+def rotate_webhook_secret(
+    endpoint: WebhookEndpoint | int, *, now: datetime | None = None
+) -> str:
+    """A new secret (shown once); the old one is signed with too for
+    ``RECALL_WEBHOOK_ROTATION_HOURS``."""
+    pk = endpoint if isinstance(endpoint, int) else endpoint.pk
+    return webhooks.rotate_secret(pk, now=_now(now))
+
+
+def set_webhook_endpoint_active(
+    endpoint: WebhookEndpoint | int,
+    active: bool,
+    *,
+    reason: str = "",
+    now: datetime | None = None,
+) -> bool:
+    pk = endpoint if isinstance(endpoint, int) else endpoint.pk
+    return webhooks.set_endpoint_active(pk, active, reason=reason, now=_now(now))
+
+
+def send_test_webhook(
+    endpoint: WebhookEndpoint, *, now: datetime | None = None
+) -> WebhookEvent:
+    return webhooks.send_test_event(endpoint, now=_now(now))
+
+
+def redeliver_webhooks(event_ids: Iterable[int], *, now: datetime | None = None) -> int:
+    """Make every delivery of these events due now; how many."""
+    return webhooks.redeliver(event_ids, now=_now(now))
+
+
+def webhook_signing_secrets(
+    endpoint: WebhookEndpoint, *, now: datetime | None = None
+) -> list[str]:
+    return webhooks.signing_secrets(endpoint, now=_now(now))
+
+
+def claim_webhook_deliveries(
+    *,
+    limit: int,
+    lease: timedelta,
+    ids: Sequence[int] | None = None,
+    now: datetime | None = None,
+) -> list[Claimed]:
+    """Take due deliveries, each under a lease (compare-and-set)."""
+    return webhooks.claim_deliveries(now=_now(now), limit=limit, lease=lease, ids=ids)
+
+
+def record_webhook_attempt(
+    claimed: Claimed, outcome: Outcome, *, now: datetime | None = None
+) -> str | None:
+    return webhooks.record_attempt(claimed, outcome, now=_now(now))
+
+
+def acquire_webhook_dispatcher(
+    owner: str, *, ttl: timedelta, handover: str = "", now: datetime | None = None
+) -> bool:
+    return webhooks.acquire_dispatcher(owner, now=_now(now), ttl=ttl, handover=handover)
+
+
+def hand_over_webhook_dispatcher(
+    owner: str, token: str, *, now: datetime | None = None
+) -> bool:
+    return webhooks.hand_over_dispatcher(owner, token, now=_now(now))
+
+
+def release_webhook_dispatcher(owner: str) -> None:
+    webhooks.release_dispatcher(owner)

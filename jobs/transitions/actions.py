@@ -19,9 +19,10 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import QuerySet
 
-from batches.models import Batch, BatchCounter, ItemStatus
+from batches.models import Batch
 from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd, Worker
 
+from .outbox import finish_if_done, finishing
 from .rows import (
     add_tally,
     group_by,
@@ -173,8 +174,9 @@ def cancel_batch(
 
 
 def cancel_batch_chunk(batch_id: int, *, now: datetime, wait: bool = False) -> int:
-    """Cancel up to one chunk of a cancelled batch's unfinished jobs."""
-    with transaction.atomic():
+    """Cancel up to one chunk of a cancelled batch's unfinished jobs (the
+    chunk that cancels the last of them finishes the batch)."""
+    with finishing(now):
         jobs = list(
             Job.objects.filter(
                 batch_id=batch_id,
@@ -237,30 +239,18 @@ def finish_interrupted_cancel(*, now: datetime) -> int:
 
 def settle(batches: QuerySet[Batch], *, now: datetime) -> int:
     """Mark finished the batches of ``batches`` with nothing queued or in
-    flight; return how many.
+    flight, each with its ``batch.finished`` event; return how many.
 
-    The batch row is locked before the counters are read. Everything that
-    queues items in a finished batch again (retry) clears ``finished_at`` under
-    the same lock, so a batch is never marked finished while it has work to
-    hand out.
+    The transition that finishes a batch normally marks it itself; this is the
+    sweep's (and a cancel's) safety net, with the same locked check
+    (``outbox.finish_if_done``), so a batch still finishes exactly once.
     """
     settled = 0
     for batch_id in batches.filter(finished_at__isnull=True).values_list(
         "pk", flat=True
     ):
         with transaction.atomic():
-            batch = (
-                Batch.objects.select_for_update()
-                .filter(pk=batch_id, finished_at__isnull=True)
-                .first()
-            )
-            if batch is None:
-                continue
-            counts = BatchCounter.objects.filter(batch_id=batch_id).totals()
-            if counts[ItemStatus.QUEUED] or counts[ItemStatus.TRANSCRIBING]:
-                continue
-            Batch.objects.filter(pk=batch_id).update(finished_at=now)
-            settled += 1
+            settled += finish_if_done(batch_id, now=now)
     return settled
 
 
@@ -352,7 +342,7 @@ def disable_and_reclaim(
 
 def cancel_job(job_id: int, *, now: datetime, actor: Any = None) -> bool:
     """Cancel a queued job. Returns False if it was not queued."""
-    with transaction.atomic():
+    with finishing(now):
         job = Job.objects.filter(pk=job_id, status=JobStatus.QUEUED).locked().first()
         if job is None:
             return False
@@ -382,7 +372,7 @@ def cancel_queued(
             chunk, Event.Kind.CANCELLED, "Job cancelled.", at=now, actor=actor
         )
 
-    return _in_chunks(jobs, JobStatus.QUEUED, cancel, audit)
+    return _in_chunks(jobs, JobStatus.QUEUED, cancel, audit, now=now)
 
 
 def retry_failed(
@@ -401,6 +391,11 @@ def retry_failed(
 
     def retry(chunk: list[Job]) -> None:
         batch_ids = {j.batch_id for j in chunk}
+        move_jobs(chunk, to=JobStatus.QUEUED, now=now, attempts=0)
+        # Failed for good once, and counted so: the total only ever grows.
+        add_tally("jobs_failed_retried", len(chunk))
+        # After the counters (every transition locks batches last), and under
+        # the batch row's lock, which the finish check takes too.
         reopened = list(
             Batch.objects.filter(pk__in=batch_ids, finished_at__isnull=False)
             .order_by("pk")
@@ -408,9 +403,6 @@ def retry_failed(
         )
         Batch.objects.filter(pk__in=batch_ids).update(finished_at=None)
         rejoin_share(reopened)
-        move_jobs(chunk, to=JobStatus.QUEUED, now=now, attempts=0)
-        # Failed for good once, and counted so: the total only ever grows.
-        add_tally("jobs_failed_retried", len(chunk))
         record_events(
             chunk,
             Event.Kind.RETRIED,
@@ -420,7 +412,11 @@ def retry_failed(
         )
 
     return _in_chunks(
-        jobs.filter(batch__cancelled_at__isnull=True), JobStatus.FAILED, retry, audit
+        jobs.filter(batch__cancelled_at__isnull=True),
+        JobStatus.FAILED,
+        retry,
+        audit,
+        now=now,
     )
 
 
@@ -429,13 +425,15 @@ def _in_chunks(
     status: str,
     change: Callable[[list[Job]], None],
     audit: Audit | None,
+    *,
+    now: datetime,
 ) -> int:
     """Apply ``change`` to ``jobs`` in ``status``, one locked chunk per
     transaction (keyset on id, SKIP LOCKED: rows a transition holds now are
     skipped); ``audit`` runs in the same transaction. Returns how many."""
     total, after = 0, 0
     while True:
-        with transaction.atomic():
+        with finishing(now):
             chunk = list(
                 jobs.filter(status=status, pk__gt=after)
                 .locked(skip_locked=True)

@@ -41,6 +41,7 @@ from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
 from . import actions, repairs
+from .outbox import finishing
 from .rows import (
     add_tally,
     charge_share,
@@ -281,7 +282,7 @@ class OrmBackend:
         """The completed job, or None when this completion was already made
         with this token (a replay: the worker lost the first response)."""
         now = self._resolve(now)
-        with transaction.atomic():
+        with finishing(now):
             job = self._lock_lease(job_id, lease_token, worker)
             if job is None:
                 if Lease.objects.filter(
@@ -313,7 +314,7 @@ class OrmBackend:
     ) -> Job:
         now = self._resolve(now)
         error = truncate_error(error)
-        with transaction.atomic():
+        with finishing(now):
             job = self._lock_lease(job_id, lease_token, worker)
             if job is None:
                 raise LeaseLost(lost_detail(job_id))
@@ -421,7 +422,7 @@ class OrmBackend:
         among: QuerySet[Job] | None = None,
     ) -> tuple[int, int, int]:
         """One transaction of ``reclaim_expired``: (jobs, requeued, failed)."""
-        with transaction.atomic():
+        with finishing(now):
             expired = Job.objects.expired(now)
             if among is not None:
                 expired = expired.filter(pk__in=among.values("pk"))

@@ -8,7 +8,11 @@ COMMIT round trips), or inside the caller's. Only the clean case is handled in
 SQL: when the rows disagree (an item whose status drifted, a live lease without
 its open ledger row) a statement writes nothing and says so, and the ORM
 backend's code, which locks the rows again, heals and logs the drift, runs
-instead.
+instead. The same goes for a completion in its batch's tail (nothing queued:
+it may finish the batch, which takes the batch row's lock and writes the
+``batch.finished`` event, ``outbox.py``) and for a lease that expired on its
+job's last attempt (the job fails for good: an ``item.failed`` event, maybe a
+finish).
 
 Time is the database's: a statement given no ``now`` reads
 ``statement_timestamp()`` and returns the instant it used, so a fallback to the
@@ -38,13 +42,7 @@ from jobs.tokens import token_prefix as prefix_of
 from . import statements
 from .orm import Candidate, ItemRow, OrmBackend
 from .rows import log_lease
-from .rules import (
-    CANCEL_GRACE,
-    CLAIM_BATCH_CANDIDATES,
-    GAVE_UP,
-    LEASE_EXPIRED,
-    lease_duration,
-)
+from .rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
 
 # psycopg's default: prepare a statement on its fifth execution (``prepare=True``
 # below prepares ours at once).
@@ -200,8 +198,9 @@ class PostgresBackend(OrmBackend):
             },
         )
         if row is not None:
-            item_status, lease_id, batch_id, attempts, at = row
-            if item_status == ItemStatus.TRANSCRIBING and lease_id is not None:
+            item_status, lease_id, batch_id, attempts, at, tail = row
+            clean = item_status == ItemStatus.TRANSCRIBING and lease_id is not None
+            if clean and not tail:
                 job = Job(
                     pk=job_id,
                     batch_id=batch_id,
@@ -213,8 +212,9 @@ class PostgresBackend(OrmBackend):
                 )
                 return job
             now = at
-        # Not live (a replay, a stale token) or rows that disagree: the ORM
-        # code decides, and heals.
+        # Not live (a replay, a stale token), rows that disagree, or the batch's
+        # tail (this completion may finish it): the ORM code decides, heals,
+        # and checks the finish under the batch's lock.
         return super().complete(
             job_id, lease_token, worker=worker, result=result, now=now
         )
@@ -233,21 +233,15 @@ class PostgresBackend(OrmBackend):
             return super()._reclaim_chunk(now, size, wait=wait, among=among)
         rows = self._fetchall(
             statements.RECLAIM_WAITING if wait else statements.RECLAIM_UNLESS_BUSY,
-            {
-                "now": now,
-                "size": size,
-                "expired": LEASE_EXPIRED,
-                "gave_up": GAVE_UP,
-            },
+            {"now": now, "size": size, "expired": LEASE_EXPIRED},
         )
         requeued = failed = 0
         unclean = []
-        for job_id, clean, requeue, attempts, worker_id, batch_id in rows:
+        for job_id, clean, attempts, worker_id, batch_id in rows:
             if not clean:
                 unclean.append(job_id)
                 continue
-            requeued += requeue
-            failed += not requeue
+            requeued += 1
             log_lease(
                 "reclaimed",
                 Job(pk=job_id, batch_id=batch_id, attempts=attempts),

@@ -27,13 +27,14 @@ from batches.models import (
 )
 from jobs.models import Job, JobStatus, Lease, LeaseEnd, RepairKind, item_status_for
 
+from .outbox import finishing
 from .rows import move_items, move_jobs, record_repair, rejoin_share
 from .rules import EXHAUSTED
 
 
 def heal_item(job_id: int, *, now: datetime) -> bool:
     """Set the item's status to the one that agrees with the job's."""
-    with transaction.atomic():
+    with finishing(now):
         job = Job.objects.filter(pk=job_id).locked().first()
         if job is None or job.item.status == item_status_for(job.status):
             return False
@@ -105,7 +106,7 @@ def restore_lease_row(job_id: int, *, now: datetime) -> bool:
 
 def fail_exhausted(job_id: int, *, now: datetime) -> bool:
     """Fail a queued job that has no attempts left (it can never be claimed)."""
-    with transaction.atomic():
+    with finishing(now):
         job = (
             Job.objects.filter(
                 pk=job_id, status=JobStatus.QUEUED, attempts__gte=F("max_attempts")

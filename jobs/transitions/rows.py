@@ -1,13 +1,15 @@
 """The ORM backend's building blocks: each writes one kind of row, inside the
 caller's transaction, for jobs the caller has locked.
 
-A transition is a few of these in one ``transaction.atomic()``: ``move_jobs``
-(the jobs, their ledger rows, items, counters and throughput buckets together),
-``open_lease``, and the event log. Each fact is written once here: the counter
-shift (``shift_counters``), the throughput upsert (``record_finished``), the
-job-to-item status mapping (``jobs.models.item_status_for``). The PostgreSQL
-backend writes the same facts in its statements (``statements.py``); the
-differential test proves the two write the same rows.
+A transition is a few of these in one ``transaction.atomic()`` (or
+``outbox.finishing()``, when an item may enter a final status and so finish its
+batch): ``move_jobs`` (the jobs, their ledger rows, items, counters and
+throughput buckets together), ``open_lease``, and the event log. Each fact is
+written once here: the counter shift (``shift_counters``), the throughput
+upsert (``record_finished``), the job-to-item status mapping
+(``jobs.models.item_status_for``). The PostgreSQL backend writes the same facts
+in its statements (``statements.py``); the differential test proves the two
+write the same rows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from django.db.models.functions import Coalesce, Greatest
 
 from batches.models import (
     COUNTER_SHARDS,
+    TERMINAL_ITEM_STATUSES,
     VIRTUAL_TIME_STRIDE,
     Batch,
     BatchCounter,
@@ -45,6 +48,7 @@ from jobs.models import (
     item_status_for,
 )
 
+from . import outbox
 from .rules import lease_duration
 
 log = logging.getLogger("recall.transitions")
@@ -111,6 +115,8 @@ def move_jobs(
         if refund_attempt:
             job.attempts -= 1
     move_items(jobs, was=was, to=to, now=now)
+    if to == JobStatus.FAILED:
+        outbox.items_failed(jobs, now=now)
 
 
 def move_items(jobs: Sequence[Job], *, was: str, to: str, now: datetime) -> None:
@@ -151,6 +157,13 @@ def apply_item_moves(moves: Iterable[ItemMove], *, now: datetime) -> None:
         BatchItem.objects.filter(pk__in=ids).update(status=status, updated_at=now)
     shift_counters(moves)
     record_finished(moves, now=now)
+    # An item entering a final status may have finished its batch: checked at
+    # the end of the transition (outbox.finishing).
+    outbox.may_finish(
+        m.batch_id
+        for m in moves
+        if m.new in TERMINAL_ITEM_STATUSES and m.old not in TERMINAL_ITEM_STATUSES
+    )
 
 
 def shift_counters(moves: Iterable[ItemMove]) -> None:

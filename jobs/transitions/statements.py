@@ -389,9 +389,14 @@ CLAIM_FIRST = _claim(
 
 # --- Complete --------------------------------------------------------------------
 
-# leased -> completed under this lease, if the item and the ledger row agree.
-# Returns the item's status and the open ledger row found (no row at all: the
-# lease is not live), with what the caller logs.
+# leased -> completed under this lease, if the item and the ledger row agree
+# and the batch is not in its tail. Returns the item's status and the open
+# ledger row found (no row at all: the lease is not live), with what the caller
+# logs, and whether the batch is in its tail: nothing queued in the counters
+# this statement sees. A completion in the tail may finish the batch, which
+# needs the batch row's lock and a fresh look at the counters (outbox.py): it
+# writes nothing here, and the ORM backend's code does it all in one
+# transaction. The tail is at most one completion per worker on the batch.
 COMPLETE = sql(
     """WITH target AS (
         SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
@@ -405,9 +410,13 @@ COMPLETE = sql(
         WHERE j.{job.id} = %(job)s AND j.{job.status} = {job_status[leased]}
           AND j.{job.lease_token} = %(token)s AND j.{job.leased_by} = %(worker)s
         FOR NO KEY UPDATE OF j, i
+    ), tail AS (
+        SELECT COALESCE(sum(c.{counter.queued}), 0) = 0 AS tail FROM {counter} c
+        WHERE c.{counter.batch} = (SELECT batch_id FROM target)
     ), clean AS (
         SELECT * FROM target
         WHERE item_status = {item_for[leased]} AND lease_id IS NOT NULL
+          AND NOT (SELECT tail FROM tail)
     ), job AS (
         UPDATE {job} SET {job.status} = {job_status[completed]},
             {job.result} = %(result)s::jsonb, {job.lease_token} = NULL,
@@ -426,16 +435,20 @@ COMPLETE = sql(
         SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms
         FROM clean
     ), {shift}
-    SELECT item_status, lease_id, batch_id, attempts, at FROM target""",
+    SELECT item_status, lease_id, batch_id, attempts, at, (SELECT tail FROM tail)
+    FROM target""",
     shift=shift_and_record("moves", one_row=True),
 )
 
 # --- Reclaim ---------------------------------------------------------------------
 
-# leased -> queued (attempts left) or failed (none left) for up to ``size``
-# expired leases, oldest first (SKIP LOCKED: concurrent sweeps and claims share
-# the work), whose items and ledger rows agree. Returns every job it looked at,
-# and whether it was clean (the others are left to the ORM path).
+# leased -> queued for up to ``size`` expired leases with attempts left, oldest
+# first (SKIP LOCKED: concurrent sweeps and claims share the work), whose items
+# and ledger rows agree. Returns every job it looked at, and whether it was
+# clean (the others are left to the ORM path). A lease that expired on the
+# job's last attempt is not clean either: that job fails for good, which may
+# write an ``item.failed`` event and finish its batch (outbox.py), so the ORM
+# backend's code fails it (rare: a file that keeps killing workers).
 #
 # One reclaimer at a time: every chunk first takes a transaction-level advisory
 # lock ({gate}). A sweep waits for it; a claim only tries, and if another
@@ -462,38 +475,25 @@ _RECLAIM = sql(
         ORDER BY j.{job.lease_expires_at} LIMIT %(size)s
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
     ), clean AS (
-        SELECT *, attempts < max_attempts AS requeue,
-            replace(%(gave_up)s, '{{n}}', max_attempts::text) AS gave_up
-        FROM pick
+        SELECT * FROM pick
         WHERE item_status = {item_for[leased]} AND lease_id IS NOT NULL
+          AND attempts < max_attempts
     ), job AS (
-        UPDATE {job} j SET
-            {job.status} = CASE WHEN clean.requeue THEN {job_status[queued]}
-                                ELSE {job_status[failed]} END,
+        UPDATE {job} j SET {job.status} = {job_status[queued]},
             {job.lease_token} = NULL, {job.leased_by} = NULL,
             {job.lease_expires_at} = NULL, {job.updated_at} = clean.at,
-            {job.available_at} = CASE WHEN clean.requeue THEN clean.at
-                                      ELSE j.{job.available_at} END,
-            {job.finished_at} = CASE WHEN clean.requeue THEN NULL ELSE clean.at END,
-            {job.last_error} = CASE WHEN clean.requeue THEN j.{job.last_error}
-                                    ELSE clean.gave_up END
+            {job.available_at} = clean.at, {job.finished_at} = NULL
         FROM clean WHERE j.{job.id} = clean.id
     ), closed AS (
         UPDATE {lease} l SET {lease.ended_at} = clean.at,
-            {lease.end_reason} = {lease_end[expired]},
-            {lease.error} = CASE WHEN clean.requeue THEN %(expired)s
-                                 ELSE clean.gave_up END
+            {lease.end_reason} = {lease_end[expired]}, {lease.error} = %(expired)s
         FROM clean WHERE l.{lease.id} = clean.lease_id
     ), item AS (
         UPDATE {item} i SET {item.updated_at} = clean.at,
-            {item.status} = CASE WHEN clean.requeue THEN {item_for[queued]}
-                                 ELSE {item_for[failed]} END
+            {item.status} = {item_for[queued]}
         FROM clean WHERE i.{item.id} = clean.item_id
     ), moves AS (
-        SELECT batch_id, item_id, item_status AS old,
-            CASE WHEN requeue THEN {item_for[queued]} ELSE {item_for[failed]} END
-                AS new,
-            ms
+        SELECT batch_id, item_id, item_status AS old, {item_for[queued]} AS new, ms
         FROM clean
     ), {shift}, tallied AS (
         INSERT INTO {tally} ({tally.name}, {tally.count})
@@ -501,8 +501,9 @@ _RECLAIM = sql(
         ON CONFLICT ({tally.name}) DO UPDATE
             SET {tally.count} = {tally}.{tally.count} + excluded.{tally.count}
     )
-    SELECT id, item_status = {item_for[leased]} AND lease_id IS NOT NULL,
-        attempts < max_attempts, attempts, worker_id, batch_id
+    SELECT id, item_status = {item_for[leased]} AND lease_id IS NOT NULL
+            AND attempts < max_attempts,
+        attempts, worker_id, batch_id
     FROM pick""",
     shift=shift_and_record("moves", one_row=False),
 )

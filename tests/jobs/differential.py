@@ -23,7 +23,17 @@ from django.test.utils import override_settings
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from jobs import transitions
 from jobs.exceptions import LeaseLost
-from jobs.models import Event, Job, Lease, SweepState, Tally, Worker
+from jobs.models import (
+    Event,
+    Job,
+    Lease,
+    SweepState,
+    Tally,
+    WebhookDelivery,
+    WebhookEndpoint,
+    WebhookEvent,
+    Worker,
+)
 from jobs.reconcile import reconcile
 from jobs.sweep import sweep
 
@@ -35,6 +45,9 @@ WORKERS = 3
 BATCHES = ((4, 0, True), (3, 5, False), (2, 0, False))
 
 TABLES = [
+    WebhookDelivery,
+    WebhookEvent,
+    WebhookEndpoint,
     Event,
     Lease,
     Job,
@@ -80,6 +93,12 @@ def build() -> World:
     world = World()
     world.actor = User.objects.get_or_create(username="differential-admin")[0]
     world.workers = [transitions.create_worker(f"w{i}")[0] for i in range(WORKERS)]
+    # An endpoint for every event type, so the outbox's deliveries are compared.
+    transitions.create_webhook_endpoint(
+        "https://receiver.example/hooks",
+        events=["batch.finished", "item.failed"],
+        now=T0,
+    )
     for n, (items, priority, timed) in enumerate(BATCHES):
         durations = [1.5 * (i + 1) for i in range(items)] if timed else None
         world.batches.append(
@@ -305,6 +324,10 @@ def snapshot() -> dict[str, list[dict[str, Any]]]:
     for row in rows[Worker._meta.db_table]:
         # Made by create_worker from a random token and the process clock.
         row.update(token_prefix="-", token_hash="-", created_at="-")
+    for row in rows[WebhookEvent._meta.db_table]:
+        row["webhook_id"] = "-"  # random by design: never repeats
+    for row in rows[WebhookEndpoint._meta.db_table]:
+        row["secret_encrypted"] = "-"  # a random secret, encrypted with a nonce
     for row in rows[SweepState._meta.db_table]:
         # The sweep's start plus however long it took: the moment of the clock.
         row.update(last_finished_at="-")

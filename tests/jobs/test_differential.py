@@ -4,7 +4,8 @@ Every program below runs twice on PostgreSQL from identical starting rows:
 through the statement backend (``auto``) and through the portable ORM backend
 (``orm``). After every operation the answers and every row of jobs, items,
 ledger, counters, throughput buckets, events, tallies, batches and workers
-must be equal (tokens normalised). The named cases cover every transition and
+must be equal (tokens and webhook ids normalised), including the webhook
+outbox (events and deliveries). The named cases cover every transition and
 the unusual paths (stale tokens, replays, backoff, the last attempt, forced
 reclaim, cancel mid-flight, retry, drifted rows healed on the way); the
 Hypothesis state machine then tries sequences nobody thought of.
@@ -165,6 +166,34 @@ CASES = {
         ("sweep",),
         ("claim", 2),
     ],
+    "the last completions finish a batch once; a retry finishes it again": [
+        *[("claim", w) for w in range(3)],
+        ("complete", 0),
+        ("complete", 1),
+        ("fail", 2, False),
+        ("claim", 0),
+        ("claim", 1),
+        ("complete", 3),
+        ("complete", 4),
+        ("complete", 3, "replayed"),
+        ("sweep",),
+        ("retry", 1),
+        ("claim", 2),
+        ("complete", 5),
+        ("settle",),
+    ],
+    "expiry on the last attempt reports the item and finishes the batch": [
+        *[("claim", w) for w in range(3)] * 2,
+        ("tick", 61),
+        ("reclaim",),
+        *[("claim", w) for w in range(3)] * 2,
+        ("tick", 61),
+        ("reclaim",),
+        *[("claim", w) for w in range(3)] * 2,
+        ("tick", 61),
+        ("reclaim", 2),
+        ("sweep",),
+    ],
 }
 
 
@@ -293,3 +322,20 @@ BackendsAgree.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_random_programs_write_the_same_rows = pytest.mark.slow(BackendsAgree.TestCase)
+
+
+def test_the_outbox_cases_do_write_events():
+    # A comparison of two empty outboxes would prove nothing.
+    steps = run(
+        CASES["the last completions finish a batch once; a retry finishes it again"],
+        "auto",
+    )
+    events = steps[-1][2]["jobs_webhookevent"]
+    finishes = sorted(
+        (e["batch_id"], e["generation"])
+        for e in events
+        if e["type"] == "batch.finished"
+    )
+    assert (2, 1) in finishes and (2, 2) in finishes
+    assert any(e["type"] == "item.failed" for e in events)
+    assert len(steps[-1][2]["jobs_webhookdelivery"]) == len(events)

@@ -126,7 +126,9 @@ def test_retry_failed_queues_again_with_fresh_attempts_and_reopens_the_batch(
         transitions.fail(
             job, job.lease_token, worker=worker, error="bad", retryable=False, now=T0
         )
-    assert transitions.settle(now=T0) == 1
+    # The last failure finished the batch itself (issue 13).
+    assert Batch.objects.get(pk=batch.pk).finished_at == T0
+    assert transitions.settle(now=T0) == 0
 
     assert transitions.retry_failed(Job.objects.filter(batch=batch), now=later(1)) == 2
 
