@@ -421,7 +421,7 @@ class WebhookEndpointQuerySet(models.QuerySet["WebhookEndpoint"]):
 class WebhookEndpoint(models.Model):
     """A URL that is sent Recall's events, signed with its own secret.
 
-    The secret is stored encrypted (``jobs.webhook_secrets``): it must be usable
+    The secret is stored encrypted (``jobs.webhooks.keys``): it must be usable
     to sign, so a hash would not do. During a rotation the previous secret
     stays valid (signed with too) until ``previous_secret_expires_at``.
     """
@@ -667,7 +667,7 @@ class WebhookAttempt(models.Model):
 
 class WebhookDispatch(models.Model):
     """A single row: the lease of the one dispatcher polling for due retries
-    (``jobs.delivery``), on the database's clock, so a killed one does not
+    (``jobs.webhooks.delivery``), on the database's clock, so a killed one does not
     block the next for long; and the token of the successor a dispatcher
     queued when its time ran out (``handover``), which only that successor
     may take (or anyone, once it is stale)."""

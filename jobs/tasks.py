@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .delivery import dispatch
 from .sweep import sweep as run_sweep
+from .webhooks.delivery import dispatch
 
 
 def sweep() -> dict:

@@ -310,7 +310,7 @@ RECALL_SOURCE_SCHEMES = [
     if scheme.strip()
 ]
 
-# --- Webhooks (jobs/delivery.py; README "Webhooks") ---
+# --- Webhooks (jobs/webhooks/; README "Webhooks") ---
 # Seconds to wait before each retry of a failed delivery (the Standard Webhooks
 # schedule by default): the first attempt is immediate, then one per delay.
 RECALL_WEBHOOK_RETRY_SECONDS = env.list(

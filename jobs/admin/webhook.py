@@ -32,7 +32,6 @@ from batches.admin_support import (
 )
 from batches.models import Batch
 from jobs import transitions
-from jobs.endpoints import EndpointInvalid, check_url, parse_events
 from jobs.models import (
     SUBSCRIBABLE_EVENTS,
     WebhookAttempt,
@@ -40,6 +39,7 @@ from jobs.models import (
     WebhookEndpoint,
     WebhookEvent,
 )
+from jobs.webhooks.endpoints import EndpointInvalid, check_url, parse_events
 
 # The secret of an endpoint just added, from save_model to response_add of the
 # same request (never stored anywhere else in clear).

@@ -5,7 +5,7 @@ import django.utils.timezone
 from django.db import migrations, models
 
 # The webhook dispatcher (jobs.tasks.dispatch_webhooks) runs every minute: it
-# delivers what is due, and stays while a retry falls due soon (jobs/delivery.py).
+# delivers what is due, and stays while a retry falls due soon (jobs/webhooks/delivery.py).
 SCHEDULE_NAME = "recall-webhooks"
 
 

@@ -444,7 +444,7 @@ def create_webhook_endpoint(
     now: datetime | None = None,
 ) -> tuple[WebhookEndpoint, str]:
     """A new endpoint and its secret (shown once, stored encrypted). The caller
-    has checked the destination (``jobs.endpoints``)."""
+    has checked the destination (``jobs.webhooks.endpoints``)."""
     return webhooks.create_endpoint(
         url, events=events, description=description, now=_now(now)
     )

@@ -557,7 +557,10 @@ class OrmBackend:
                 cursor.executemany(sql, chunk)
 
     def _insert_jobs(self, batch: Batch, *, now: datetime) -> None:
-        """One job per item of the batch, in a single INSERT ... SELECT."""
+        """One job per item of the batch, in a single INSERT ... SELECT, in
+        the items' order: claims within a batch follow job ids (its jobs share
+        one created_at), so the manifest's first line is handed out first
+        whatever order the table happens to return the items in."""
         at = self.connection.ops.adapt_datetimefield_value(now)
         with self.connection.cursor() as cursor:
             cursor.execute(
@@ -565,6 +568,6 @@ class OrmBackend:
                 f"attempts, max_attempts, available_at, last_error, created_at, "
                 f"updated_at) "
                 f"SELECT id, batch_id, %s, 0, %s, %s, '', %s, %s "
-                f"FROM {BatchItem._meta.db_table} WHERE batch_id = %s",
+                f"FROM {BatchItem._meta.db_table} WHERE batch_id = %s ORDER BY id",
                 [JobStatus.QUEUED, settings.RECALL_MAX_ATTEMPTS, at, at, at, batch.pk],
             )

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
-from jobs import delivery, transitions
+from jobs import transitions
 from jobs.models import WebhookEvent
+from jobs.webhooks import delivery
 
 from ..factories import claim, make_batch, make_endpoint
 from ..receiver import Answer

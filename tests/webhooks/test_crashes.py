@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from jobs import delivery, transitions
+from jobs import transitions
 from jobs.models import WebhookAttempt, WebhookDelivery, WebhookEvent
 from jobs.transitions.webhooks import INTERRUPTED
+from jobs.webhooks import delivery
 
 from ..factories import claim, make_batch, make_endpoint, make_worker
 from ..jobs.test_concurrency import run_threads

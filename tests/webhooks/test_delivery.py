@@ -17,7 +17,7 @@ from django.test.utils import override_settings
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
-from jobs import delivery, transitions
+from jobs import transitions
 from jobs.models import (
     WebhookAttempt,
     WebhookDelivery,
@@ -25,6 +25,7 @@ from jobs.models import (
     WebhookEvent,
 )
 from jobs.tasks import deliver_webhooks
+from jobs.webhooks import delivery
 
 from ..factories import T0, claim, later, make_batch, make_endpoint
 from ..receiver import Answer

@@ -47,12 +47,12 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django_q.tasks import async_task
 
-from . import transitions
+from .. import transitions
+from ..models import DeliveryStatus, WebhookDelivery
+from ..transitions import Claimed, Outcome
 from .destinations import Destination, DestinationRefused, resolve
-from .models import DeliveryStatus, WebhookDelivery
+from .keys import SecretUnreadable
 from .signing import signature_header
-from .transitions import Claimed, Outcome
-from .webhook_secrets import SecretUnreadable
 
 log = logging.getLogger("recall.webhooks")
 

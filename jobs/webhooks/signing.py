@@ -12,7 +12,7 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
-from .webhook_secrets import signing_key
+from .keys import signing_key
 
 
 def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
