@@ -318,6 +318,30 @@ def idle_claim(args: dict, started) -> dict:
     return report
 
 
+@loop
+def heartbeats(args: dict, started) -> dict:
+    """``transitions.heartbeat`` round the leases ``args["leases"]`` (job id,
+    token) of worker ``args["worker"]``, as fast as it goes: a heartbeat's
+    cost at the model layer, with every latency."""
+    from jobs import transitions
+    from jobs.models import Worker
+
+    worker = Worker.objects.get(pk=args["worker"])
+    leases = args["leases"]
+    if started is None:
+        transitions.heartbeat(*leases[0], worker=worker)  # connect, prepare
+        return {}
+    _, deadline = started
+    latencies: list[float] = []
+    began = time.perf_counter()
+    while time.time() < deadline:
+        job, token = leases[len(latencies) % len(leases)]
+        t0 = time.perf_counter()
+        transitions.heartbeat(job, token, worker=worker)
+        latencies.append(time.perf_counter() - t0)
+    return _latency_report(latencies, len(latencies), time.perf_counter() - began)
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 

@@ -1188,7 +1188,7 @@ def _scale_main(parser: argparse.ArgumentParser, args) -> int:
         parser.error(str(error))
     if not 1 <= args.scale_batches <= total // 10:
         parser.error(f"--scale-batches must be between 1 and {total // 10:,}")
-    sizes = Sizes(args.processes)
+    sizes = Sizes.quick(args.processes) if args.quick else Sizes(args.processes)
     sizes.runs = args.runs or 1
     os.chdir(ROOT)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

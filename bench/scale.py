@@ -59,6 +59,9 @@ class Layout:
         finished_count = batches - open_count
         done = total * 9 // 10 - largest_done
         queued = total - largest_size - done
+        if open_count == 1:  # the largest batch is the only open one
+            largest = (largest[0], largest[1], largest[2] + queued)
+            queued = 0
         return cls(
             total=total,
             batches=batches,
@@ -93,7 +96,11 @@ def _without_reference_checks() -> Iterator[bool]:
                 cursor.execute("SET session_replication_role = DEFAULT")
 
 
-def seed(layout: Layout, progress: Callable[[str], None] = print) -> dict[str, Any]:
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def seed(layout: Layout, progress: Callable[[str], None] = _say) -> dict[str, Any]:
     """Empty the tables and write the layout; return the ids and the time."""
     from django.db import connection
 
@@ -172,6 +179,7 @@ def run(bench, total: int, batches: int) -> None:
     from bench import seed as rows
     from bench.loops import utcnow
     from jobs.checks import find_violations
+    from jobs.models import Job, JobStatus
     from jobs.sweep import sweep
 
     add, ms, pct = bench.add, _ms, _pct
@@ -231,6 +239,34 @@ def run(bench, total: int, batches: int) -> None:
         "claim with work",
         f"model layer p50 / p99, one client, {len(open_ids)} open batches "
         f"({len(latencies):,} claims)",
+        f"{ms(pct(latencies, 0.5))} / {ms(pct(latencies, 0.99))}",
+    )
+
+    # Heartbeats: P processes extending the largest batch's live leases.
+    live = list(
+        Job.objects.filter(batch_id=largest, status=JobStatus.LEASED)
+        .order_by("pk")
+        .values_list("pk", "lease_token", "leased_by_id")
+    )
+    p = min(bench.p, len(live))
+    rates, latencies = [], []
+    for _ in range(bench.sizes.runs):
+        results = loops.run(
+            "heartbeats",
+            [
+                {"worker": live[0][2], "leases": [r[:2] for r in live[i::p]]}
+                for i in range(p)
+            ],
+            duration=bench.sizes.idle_seconds,
+        )
+        elapsed = max(r["elapsed"] for r in results)
+        rates.append(sum(r["done"] for r in results) / elapsed)
+        latencies.extend(x for r in results for x in r["latencies"])
+    add(
+        "S",
+        "heartbeat",
+        f"model layer, P={p}: heartbeats/s, p50 / p99 ({len(live):,} live leases)",
+        f"{statistics.median(rates):,.0f}/s, "
         f"{ms(pct(latencies, 0.5))} / {ms(pct(latencies, 0.99))}",
     )
 
