@@ -151,6 +151,18 @@ class ItemsPage:
     at_end: bool
 
 
+def _nearest(items, order: str) -> list[int]:
+    """The id of the nearest item of ``items`` in ``order``, if any.
+
+    Ordered, not ``exists()``: without an order, PostgreSQL answers "is there
+    an item of this batch below id X" from a sequential scan it expects to stop
+    early (a tenth of all items are the batch's, it assumes, spread evenly), and
+    when there is none it reads the whole table: 2.6 s with ten million items.
+    Ordered by id, it walks the batch's own index from X and stops at once.
+    """
+    return list(items.order_by(order).values_list("pk", flat=True)[:1])
+
+
 def _items_page(items, request: HttpRequest, count: int | None) -> ItemsPage:
     def cursor(name: str) -> int | None:
         value = request.GET.get(name, "")
@@ -163,8 +175,8 @@ def _items_page(items, request: HttpRequest, count: int | None) -> ItemsPage:
         rows = list(items.filter(pk__lt=before).order_by("-pk")[:ITEMS_PER_PAGE])[::-1]
     else:
         rows = list(items.filter(pk__gt=after or 0).order_by("pk")[:ITEMS_PER_PAGE])
-    at_start = not rows or not items.filter(pk__lt=rows[0].pk).exists()
-    at_end = not rows or not items.filter(pk__gt=rows[-1].pk).exists()
+    at_start = not rows or not _nearest(items.filter(pk__lt=rows[0].pk), "-pk")
+    at_end = not rows or not _nearest(items.filter(pk__gt=rows[-1].pk), "pk")
     return ItemsPage(
         object_list=rows,
         count=count,
