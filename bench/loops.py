@@ -216,7 +216,7 @@ def model(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies, buckets = [], []
-    done, began = 0, time.perf_counter()
+    done, began, cpu = 0, time.perf_counter(), time.process_time()
     bucket = args.get("bucket")
     while time.time() < deadline:
         t0 = time.perf_counter()
@@ -234,6 +234,7 @@ def model(args: dict, started) -> dict:
             buckets[index] += 1
     report = _latency_report(latencies, done, time.perf_counter() - began)
     report["buckets"] = buckets
+    report["cpu"] = time.process_time() - cpu
     return report
 
 
@@ -333,13 +334,15 @@ def heartbeats(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies: list[float] = []
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     while time.time() < deadline:
         job, token = leases[len(latencies) % len(leases)]
         t0 = time.perf_counter()
         transitions.heartbeat(job, token, worker=worker)
         latencies.append(time.perf_counter() - t0)
-    return _latency_report(latencies, len(latencies), time.perf_counter() - began)
+    report = _latency_report(latencies, len(latencies), time.perf_counter() - began)
+    report["cpu"] = time.process_time() - cpu  # this process's, while it ran
+    return report
 
 
 def utcnow() -> datetime:

@@ -1209,6 +1209,10 @@ def _scale_main(parser: argparse.ArgumentParser, args) -> int:
     try:
         _setup_django(database_url)
         bench = Bench(sizes, database_url, {"S"})
+        if server is not None:
+            bench.postmaster = int(
+                (server.data / "postmaster.pid").read_text().split()[0]
+            )
         scale.run(bench, total, args.scale_batches)
         print_table(bench)
         load = ", ".join(f"{n:.1f}" for n in os.getloadavg())

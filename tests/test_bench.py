@@ -127,7 +127,7 @@ def test_a_tiny_scale_run_prints_every_figure_and_breaks_no_invariant():
         "seed",
         "idle claim",
         "claim with work",
-        "heartbeat",
+        "claim with work",
         "progress.json",
         "batch page",
         "batches list",
@@ -135,6 +135,8 @@ def test_a_tiny_scale_run_prints_every_figure_and_breaks_no_invariant():
         "admin job list, leased",
         "sweep",
         "recall_check",
+        "heartbeat",
+        "heartbeat",
         "database size",
     ]
     check = next(c for c in cells if c[0] == "recall_check")
