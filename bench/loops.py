@@ -306,7 +306,7 @@ def idle_claim(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies, statuses = [], {}
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     while time.time() < deadline and len(latencies) < args.get("limit", 10**9):
         t0 = time.perf_counter()
         response = client.post(
@@ -316,6 +316,7 @@ def idle_claim(args: dict, started) -> dict:
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
     report = _latency_report(latencies, len(latencies), time.perf_counter() - began)
     report["statuses"] = statuses
+    report["cpu"] = time.process_time() - cpu
     return report
 
 

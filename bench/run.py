@@ -1188,13 +1188,17 @@ def _scale_main(parser: argparse.ArgumentParser, args) -> int:
         parser.error(str(error))
     if not 1 <= args.scale_batches <= total // 10:
         parser.error(f"--scale-batches must be between 1 and {total // 10:,}")
+    if args.reuse and not args.database_url:
+        parser.error("--reuse needs --database-url (the kept database's URL)")
     sizes = Sizes.quick(args.processes) if args.quick else Sizes(args.processes)
     sizes.runs = args.runs or 1
     os.chdir(ROOT)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     server = None
-    if args.database_url:
+    if args.reuse:
+        database_url = args.database_url
+    elif args.database_url:
         database_url = _create_database(args.database_url, "recall_bench_scale")
     else:
         sys.path.insert(0, str(ROOT))
@@ -1209,18 +1213,15 @@ def _scale_main(parser: argparse.ArgumentParser, args) -> int:
     try:
         _setup_django(database_url)
         bench = Bench(sizes, database_url, {"S"})
-        if server is not None:
-            bench.postmaster = int(
-                (server.data / "postmaster.pid").read_text().split()[0]
-            )
-        scale.run(bench, total, args.scale_batches)
+        bench.postmaster = _postmaster(server)
+        scale.run(bench, total, args.scale_batches, reuse=args.reuse)
         print_table(bench)
         load = ", ".join(f"{n:.1f}" for n in os.getloadavg())
         print(
             f"\n{time.monotonic() - started:.0f} s in all; load average at the end "
             f"{load} on {os.cpu_count()} cores."
         )
-        keep = args.keep
+        keep = args.keep or args.reuse
     finally:
         from django.db import connections
 
@@ -1235,6 +1236,22 @@ def _scale_main(parser: argparse.ArgumentParser, args) -> int:
             with psycopg.connect(args.database_url, autocommit=True) as connection:
                 connection.execute('DROP DATABASE IF EXISTS "recall_bench_scale"')
     return 0
+
+
+def _postmaster(server) -> int | None:
+    """The PostgreSQL server's main process, if it runs on this machine and
+    its data directory is readable (for its CPU time), else None."""
+    if server is not None:
+        return int((server.data / "postmaster.pid").read_text().split()[0])
+    from django.db import DatabaseError, connection
+
+    try:
+        with connection.cursor() as cursor:  # superusers only
+            cursor.execute("SELECT current_setting('data_directory')")
+            (directory,) = cursor.fetchone()
+        return int((Path(directory) / "postmaster.pid").read_text().split()[0])
+    except (DatabaseError, OSError, ValueError, IndexError):
+        return None
 
 
 # The private server of a --scale run: stock but for these.
@@ -1268,6 +1285,12 @@ def main(argv: list[str] | None = None) -> int:
         "operators and workers touch (BENCHMARKS.md, 'Ten million items')",
     )
     parser.add_argument("--scale-batches", type=int, default=1_000)
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="with --scale and --database-url: measure the database at that URL, "
+        "seeded and kept by an earlier --scale --keep run of the same size",
+    )
     parser.add_argument(
         "--keep",
         action="store_true",

@@ -196,8 +196,24 @@ def _get(client, path: str) -> Callable[[], None]:
     return fetch
 
 
-def run(bench, total: int, batches: int) -> None:
-    """The ``--scale`` run: seed, then the rows of BENCHMARKS.md's scale table."""
+def _seeded_before(layout: Layout) -> dict[str, Any]:
+    """The ids of a layout seeded by an earlier run (kept with ``--keep``)."""
+    from batches.models import Batch
+
+    largest = Batch.objects.filter(name="scale-largest").values_list("pk", flat=True)
+    if not largest:
+        raise RuntimeError("--reuse: no seeded database here (seed one with --keep)")
+    opened = Batch.objects.filter(name__startswith="scale-open-").values_list(
+        "pk", flat=True
+    )
+    if len(opened) != len(layout.queued):
+        raise RuntimeError("--reuse: the database holds another --scale layout")
+    return {"largest": largest[0], "open": [*opened, largest[0]]}
+
+
+def run(bench, total: int, batches: int, *, reuse: bool = False) -> None:
+    """The ``--scale`` run: seed (unless ``reuse``: measure a database an
+    earlier run kept), then the rows of BENCHMARKS.md's scale table."""
     from django.contrib.auth import get_user_model
     from django.db import connection
     from django.test import Client
@@ -213,18 +229,24 @@ def run(bench, total: int, batches: int) -> None:
     add, ms, pct = bench.add, _ms, _pct
     layout = Layout.of(total, batches)
     label = f"{total:,} jobs, {batches:,} batches"
-    print(f"== Seeding {label}", flush=True)
-    seeded = seed(layout)
-    largest, open_ids = seeded["largest"], seeded["open"]
     done, leased, queued = layout.largest
-    add(
-        "S",
-        "seed",
-        f"{label} ({sum(layout.finished) + done:,} done, "
-        f"{sum(layout.queued) + queued:,} queued, {leased:,} leased)",
-        f"{seeded['seconds']:.0f} s + {seeded['analyze_seconds']:.0f} s VACUUM ANALYZE"
-        + ("" if seeded["unchecked"] else " (foreign keys checked)"),
-    )
+    if reuse:
+        seeded = _seeded_before(layout)
+        # The last run's heartbeats left its leases a minute long: live again.
+        rows.expire_leases(seeded["largest"], at=utcnow() + timedelta(hours=2))
+    else:
+        print(f"== Seeding {label}", flush=True)
+        seeded = seed(layout)
+        add(
+            "S",
+            "seed",
+            f"{label} ({sum(layout.finished) + done:,} done, "
+            f"{sum(layout.queued) + queued:,} queued, {leased:,} leased)",
+            f"{seeded['seconds']:.0f} s + {seeded['analyze_seconds']:.0f} s "
+            "VACUUM ANALYZE"
+            + ("" if seeded["unchecked"] else " (foreign keys checked)"),
+        )
+    largest, open_ids = seeded["largest"], seeded["open"]
 
     # Idle claims: every open batch paused, so a million queued jobs wait
     # behind pauses and nothing is claimable (the claim must not look at them).
@@ -232,15 +254,17 @@ def run(bench, total: int, batches: int) -> None:
     Batch.objects.filter(pk__in=open_ids).update(paused_at=utcnow())
     samples = bench.sizes.page_requests
     latencies: list[float] = []
-    for _ in range(bench.sizes.runs):
-        result = loops.run(
-            "idle_claim",
-            [{"token": claimers[0][1]}],
-            duration=bench.sizes.idle_seconds,
-        )[0]
-        if set(result["statuses"]) != {204}:
-            raise RuntimeError(f"idle claims answered {result['statuses']}")
-        latencies.extend(result["latencies"])
+    with _cpu(bench) as spent:
+        for _ in range(bench.sizes.runs):
+            result = loops.run(
+                "idle_claim",
+                [{"token": claimers[0][1]}],
+                duration=bench.sizes.idle_seconds,
+            )[0]
+            if set(result["statuses"]) != {204}:
+                raise RuntimeError(f"idle claims answered {result['statuses']}")
+            latencies.extend(result["latencies"])
+            spent["app"] += result["cpu"]
     p50, p99 = pct(latencies, 0.5), pct(latencies, 0.99)
     add(
         "S",
@@ -249,6 +273,12 @@ def run(bench, total: int, batches: int) -> None:
         f"{ms(p50)} / {ms(p99)}",
         "<= 3 ms / <= 15 ms",
         p50 <= 0.003 and p99 <= 0.015,
+    )
+    add(
+        "S",
+        "idle claim",
+        "CPU per idle claim (whole request): app + PostgreSQL",
+        _each(spent, len(latencies)),
     )
 
     # Claims that find work: the open batches resumed, one client claiming and
