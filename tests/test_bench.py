@@ -126,6 +126,7 @@ def test_a_tiny_scale_run_prints_every_figure_and_breaks_no_invariant():
     assert [c[0] for c in cells] == [
         "seed",
         "idle claim",
+        "idle claim",
         "claim with work",
         "claim with work",
         "progress.json",
