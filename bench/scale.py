@@ -12,7 +12,7 @@ The rows are written by ``bench.seed`` (set-based SQL, one batch at a time);
 with a superuser connection the seeding skips the foreign-key triggers
 (``session_replication_role = replica``): the seeded rows agree by
 construction (``recall_check`` runs at the end and must find nothing), and
-checking 40 million references one by one would take longer than writing them.
+checking some 40 million references one by one would take longer than writing them.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ def _cpu(bench) -> Iterator[dict[str, float]]:
 
 
 def _each(spent: dict[str, float], n: int) -> str:
-    """ "app ms + PostgreSQL ms" per operation (PostgreSQL's only on the private
-    server, whose processes the run can see)."""
+    """The app's and PostgreSQL's CPU per operation, as "x ms + y ms" (PostgreSQL's
+    only when the run can see the server's processes)."""
     n = max(1, n)
     database = spent.get("database")
     return f"{spent['app'] / n * 1000:.2f} ms + " + (
