@@ -11,7 +11,8 @@ CHAOS_DURATION ?= 180
 CHAOS_WORKERS ?= 12
 CHAOS_ITEMS ?= 3000
 
-# make bench knobs (see `python -m bench --help`), e.g. BENCH_ARGS="--only 5,6".
+# make bench knobs (see `python -m bench --help`), e.g. BENCH_ARGS="--only 5,6",
+# or BENCH_ARGS="--scale 10m" for the ten-million-item run (BENCHMARKS.md).
 BENCH_ARGS ?=
 
 .PHONY: demo run test chaos bench lint typecheck format clean

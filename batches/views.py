@@ -121,21 +121,31 @@ def batch_list_live(request: HttpRequest) -> HttpResponse:
 
 
 def _items(batch: Batch, form: ItemFilterForm, counts: dict[str, int]):
+    """The batch's items the filter selects, in the order of the index that
+    serves them, and how many there are when the counters know it.
+
+    The batch (and the state) are written as ranges that hold one value, and
+    the order names them: an equality would let PostgreSQL drop them from the
+    order and walk the primary key (or merge-join every job) from the first
+    item of the table, guessing that the batch's rows are spread evenly. For
+    the largest batch among ten million items that guess cost seconds.
+    """
     items = (
-        BatchItem.objects.filter(batch=batch)
+        BatchItem.objects.filter(batch_id__gte=batch.pk, batch_id__lte=batch.pk)
         .select_related("job")
         .only("id", "source", "status", "updated_at", "job__id", "job__attempts")
-        .order_by("pk")
     )
     state = form.cleaned_data.get("state") if form.is_valid() else ""
     q = form.cleaned_data.get("q") if form.is_valid() else ""
+    order: tuple[str, ...] = ("batch_id", "pk")
     if state:
-        items = items.filter(status=state)
+        items = items.filter(status__gte=state, status__lte=state)
+        order = ("batch_id", "status", "pk")
     if q:
         items = items.filter(source__icontains=q)
-        return items, None
+        return items, order, None
     # Without a search, the counters already know how many rows match.
-    return items, counts[state] if state else sum(counts.values())
+    return items, order, counts[state] if state else sum(counts.values())
 
 
 @dataclass
@@ -151,20 +161,35 @@ class ItemsPage:
     at_end: bool
 
 
-def _items_page(items, request: HttpRequest, count: int | None) -> ItemsPage:
+def _backwards(order: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"-{field}" for field in order)
+
+
+def _items_page(
+    items, order: tuple[str, ...], request: HttpRequest, count: int | None
+) -> ItemsPage:
     def cursor(name: str) -> int | None:
         value = request.GET.get(name, "")
         return int(value) if value.isdigit() and len(value) < 19 else None
 
+    def nearest(items) -> bool:
+        # Ordered, not exists(): unordered, PostgreSQL may answer from a scan
+        # of the whole table that it expects to stop early.
+        return bool(list(items.values_list("pk", flat=True)[:1]))
+
     after, before = cursor("after"), cursor("before")
+    backwards = _backwards(order)
     if request.GET.get("last") == "1":
-        rows = list(items.order_by("-pk")[:ITEMS_PER_PAGE])[::-1]
+        rows = list(items.order_by(*backwards)[:ITEMS_PER_PAGE])[::-1]
     elif before is not None:
-        rows = list(items.filter(pk__lt=before).order_by("-pk")[:ITEMS_PER_PAGE])[::-1]
+        rows = list(items.filter(pk__lt=before).order_by(*backwards)[:ITEMS_PER_PAGE])
+        rows.reverse()
     else:
-        rows = list(items.filter(pk__gt=after or 0).order_by("pk")[:ITEMS_PER_PAGE])
-    at_start = not rows or not items.filter(pk__lt=rows[0].pk).exists()
-    at_end = not rows or not items.filter(pk__gt=rows[-1].pk).exists()
+        rows = list(items.filter(pk__gt=after or 0).order_by(*order)[:ITEMS_PER_PAGE])
+    at_start = not rows or not nearest(
+        items.filter(pk__lt=rows[0].pk).order_by(*backwards)
+    )
+    at_end = not rows or not nearest(items.filter(pk__gt=rows[-1].pk).order_by(*order))
     return ItemsPage(
         object_list=rows,
         count=count,
@@ -215,8 +240,8 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
     now = transitions.now()
     progress = progress_for(batch, now=now, chart=chart)
     form = ItemFilterForm(request.GET)
-    items, count = _items(batch, form, progress.counts)
-    page = _items_page(items, request, count)
+    items, order, count = _items(batch, form, progress.counts)
+    page = _items_page(items, order, request, count)
     user = request.user
     webhooks = _webhooks(batch) if chart else None
     return {

@@ -216,7 +216,7 @@ def model(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies, buckets = [], []
-    done, began = 0, time.perf_counter()
+    done, began, cpu = 0, time.perf_counter(), time.process_time()
     bucket = args.get("bucket")
     while time.time() < deadline:
         t0 = time.perf_counter()
@@ -234,6 +234,7 @@ def model(args: dict, started) -> dict:
             buckets[index] += 1
     report = _latency_report(latencies, done, time.perf_counter() - began)
     report["buckets"] = buckets
+    report["cpu"] = time.process_time() - cpu
     return report
 
 
@@ -305,7 +306,7 @@ def idle_claim(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies, statuses = [], {}
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     while time.time() < deadline and len(latencies) < args.get("limit", 10**9):
         t0 = time.perf_counter()
         response = client.post(
@@ -315,6 +316,33 @@ def idle_claim(args: dict, started) -> dict:
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
     report = _latency_report(latencies, len(latencies), time.perf_counter() - began)
     report["statuses"] = statuses
+    report["cpu"] = time.process_time() - cpu
+    return report
+
+
+@loop
+def heartbeats(args: dict, started) -> dict:
+    """``transitions.heartbeat`` round the leases ``args["leases"]`` (job id,
+    token) of worker ``args["worker"]``, as fast as it goes: a heartbeat's
+    cost at the model layer, with every latency."""
+    from jobs import transitions
+    from jobs.models import Worker
+
+    worker = Worker.objects.get(pk=args["worker"])
+    leases = args["leases"]
+    if started is None:
+        transitions.heartbeat(*leases[0], worker=worker)  # connect, prepare
+        return {}
+    _, deadline = started
+    latencies: list[float] = []
+    began, cpu = time.perf_counter(), time.process_time()
+    while time.time() < deadline:
+        job, token = leases[len(latencies) % len(leases)]
+        t0 = time.perf_counter()
+        transitions.heartbeat(job, token, worker=worker)
+        latencies.append(time.perf_counter() - t0)
+    report = _latency_report(latencies, len(latencies), time.perf_counter() - began)
+    report["cpu"] = time.process_time() - cpu  # this process's, while it ran
     return report
 
 

@@ -1178,6 +1178,92 @@ def print_table(bench: Bench) -> None:
             print("  ".join("-" * w for w in widths))
 
 
+def _scale_main(parser: argparse.ArgumentParser, args) -> int:
+    """``--scale``: seed a database of its own and time it (bench/scale.py)."""
+    from bench import scale
+
+    try:
+        total = scale.parse_scale(args.scale)
+    except ValueError as error:
+        parser.error(str(error))
+    if not 1 <= args.scale_batches <= total // 10:
+        parser.error(f"--scale-batches must be between 1 and {total // 10:,}")
+    if args.reuse and not args.database_url:
+        parser.error("--reuse needs --database-url (the kept database's URL)")
+    sizes = Sizes.quick(args.processes) if args.quick else Sizes(args.processes)
+    sizes.runs = args.runs or 1
+    os.chdir(ROOT)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.monotonic()
+    server = None
+    if args.reuse:
+        database_url = args.database_url
+    elif args.database_url:
+        database_url = _create_database(args.database_url, "recall_bench_scale")
+    else:
+        sys.path.insert(0, str(ROOT))
+        from tests.pgserver import PrivatePostgres
+
+        server = PrivatePostgres()
+        # Stock settings but for memory and checkpoints sized for tables of
+        # gigabytes (what any server holding them would be given).
+        server.start(settings=SCALE_SERVER_SETTINGS)
+        database_url = server.create_database("recall_bench_scale")
+    keep = False
+    try:
+        _setup_django(database_url)
+        bench = Bench(sizes, database_url, {"S"})
+        bench.postmaster = _postmaster(server)
+        scale.run(bench, total, args.scale_batches, reuse=args.reuse)
+        print_table(bench)
+        load = ", ".join(f"{n:.1f}" for n in os.getloadavg())
+        print(
+            f"\n{time.monotonic() - started:.0f} s in all; load average at the end "
+            f"{load} on {os.cpu_count()} cores."
+        )
+        keep = args.keep or args.reuse
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        if keep:
+            print(f"kept: {database_url}")
+        elif server is not None:
+            server.destroy()
+        elif args.database_url:
+            import psycopg
+
+            with psycopg.connect(args.database_url, autocommit=True) as connection:
+                connection.execute('DROP DATABASE IF EXISTS "recall_bench_scale"')
+    return 0
+
+
+def _postmaster(server) -> int | None:
+    """The PostgreSQL server's main process, if it runs on this machine and
+    its data directory is readable (for its CPU time), else None."""
+    if server is not None:
+        return int((server.data / "postmaster.pid").read_text().split()[0])
+    from django.db import DatabaseError, connection
+
+    try:
+        with connection.cursor() as cursor:  # superusers only
+            cursor.execute("SELECT current_setting('data_directory')")
+            (directory,) = cursor.fetchone()
+        return int((Path(directory) / "postmaster.pid").read_text().split()[0])
+    except (DatabaseError, OSError, ValueError, IndexError):
+        return None
+
+
+# The private server of a --scale run: stock but for these.
+SCALE_SERVER_SETTINGS = {
+    "fsync": "on",
+    "max_connections": "300",
+    "shared_buffers": "2GB",
+    "maintenance_work_mem": "512MB",
+    "max_wal_size": "8GB",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", "-P", type=int, default=8)
@@ -1192,7 +1278,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--database-url", help="measure this PostgreSQL (default: a private server)"
     )
+    parser.add_argument(
+        "--scale",
+        help="instead of the scenarios: seed this many jobs (10m, 250k ...) over "
+        "--scale-batches batches in a database of their own, and time what "
+        "operators and workers touch (BENCHMARKS.md, 'Ten million items')",
+    )
+    parser.add_argument("--scale-batches", type=int, default=1_000)
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="with --scale and --database-url: measure the database at that URL, "
+        "seeded and kept by an earlier --scale --keep run of the same size",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="with --scale: keep the seeded database (and the private server)",
+    )
     args = parser.parse_args(argv)
+    if args.scale:
+        return _scale_main(parser, args)
     sizes = Sizes.quick(args.processes) if args.quick else Sizes(args.processes)
     if args.runs:
         sizes.runs = args.runs

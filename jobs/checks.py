@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db.models import Count, F, Max, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, Exists, F, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from batches.models import (
@@ -140,24 +140,41 @@ def _no_stale_leases(now: datetime) -> list[Violation]:
 
 
 def _one_completion_per_completed_job(now: datetime) -> list[Violation]:
-    completions = (
-        Lease.objects.filter(job=OuterRef("pk"), end_reason=LeaseEnd.COMPLETED)
-        .order_by()
-        .values("job")
+    """A completed job has exactly one completed ledger row, any other job none.
+
+    Three set-based queries (an anti-join, a grouped count, a semi-join), not a
+    count per job: with ten million jobs a correlated count per row took 91 s.
+    """
+    completions = Lease.objects.filter(end_reason=LeaseEnd.COMPLETED).order_by()
+    of_the_job = completions.filter(job=OuterRef("pk"))
+    counted = of_the_job.values("job").annotate(n=Count("pk")).values("n")
+    # Completed without a completed ledger row.
+    found: dict[int, tuple] = {
+        pk: (pk, status, 0)
+        for pk, status in Job.objects.filter(status=JobStatus.COMPLETED)
+        .filter(~Exists(of_the_job))
+        .values_list("pk", "status")[:SAMPLE]
+    }
+    # More than one completed ledger row, whatever the job's state.
+    repeated = dict(
+        completions.values("job")
         .annotate(n=Count("pk"))
-        .values("n")
+        .filter(n__gt=1)
+        .values_list("job", "n")[:SAMPLE]
     )
-    jobs = Job.objects.annotate(completions=Coalesce(Subquery(completions), 0))
-    rows = list(
-        jobs.filter(
-            Q(status=JobStatus.COMPLETED, completions__lt=1)
-            | Q(completions__gt=1)
-            | (~Q(status=JobStatus.COMPLETED) & Q(completions__gt=0))
-        ).values_list("pk", "status", "completions")[:SAMPLE]
-    )
+    for pk, status in Job.objects.filter(pk__in=repeated).values_list("pk", "status"):
+        found.setdefault(pk, (pk, status, repeated[pk]))
+    # Not completed, yet a ledger row says it was.
+    for row in (
+        Job.objects.exclude(status=JobStatus.COMPLETED)
+        .filter(Exists(of_the_job))
+        .annotate(completions=Subquery(counted))
+        .values_list("pk", "status", "completions")[:SAMPLE]
+    ):
+        found.setdefault(row[0], row)
     return _sample(
         "one-completion-per-completed-job",
-        rows,
+        sorted(found.values()),
         lambda r: f"job {r[0]} is {r[1]} with {r[2]} completed ledger rows",
     )
 

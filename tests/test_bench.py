@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import seed
+from bench import scale, seed
 from jobs import transitions
 from jobs.checks import find_violations
 from jobs.models import Job, JobStatus
@@ -83,3 +83,71 @@ def test_a_tiny_bench_run_prints_every_figure():
     ]
     assert scraped[0][2] == "yes"
     assert any(c[0] == "idle fleet" and "% of one core" in c[2] for c in cells)
+
+
+def test_scale_sizes_read_like_the_docs_write_them():
+    assert scale.parse_scale("10m") == 10_000_000
+    assert scale.parse_scale("250k") == 250_000
+    assert scale.parse_scale("1.5M") == 1_500_000
+    assert scale.parse_scale("5000") == 5_000
+    for bad in ("", "ten", "10g", "999", "-5k"):
+        with pytest.raises(ValueError, match=r"size|too small"):
+            scale.parse_scale(bad)
+
+
+def test_the_scale_layout_is_the_issues_ten_million():
+    layout = scale.Layout.of(10_000_000, 1_000)
+
+    done, leased, queued = layout.largest
+    assert (done, leased, queued) == (500_000, 10_000, 490_000)
+    assert len(layout.finished) == 900
+    assert len(layout.queued) == 99
+    assert sum(layout.finished) + done == 9_000_000
+    assert sum(layout.queued) + queued + leased == 1_000_000
+    assert max(layout.finished + layout.queued) < done + leased + queued
+
+
+@pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
+def test_a_tiny_scale_run_prints_every_figure_and_breaks_no_invariant():
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench", "--quick", "--processes", "2"),
+            *("--scale", "5k", "--scale-batches", "10"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    rows = re.findall(r"^S\s{2,}(.*)$", result.stdout, re.MULTILINE)
+    cells = [re.split(r"\s{2,}", row) for row in rows]
+    assert [c[0] for c in cells] == [
+        "seed",
+        "idle claim",
+        "idle claim",
+        "claim with work",
+        "claim with work",
+        "progress.json",
+        "batch page",
+        "batches list",
+        "admin job list",
+        "admin job list, leased",
+        "sweep",
+        "recall_check",
+        "heartbeat",
+        "heartbeat",
+        "database size",
+    ]
+    check = next(c for c in cells if c[0] == "recall_check")
+    assert "(0 violations)" in check[1]
+    assert check[-1] == "ok"
+
+
+def test_with_one_open_batch_the_largest_holds_the_whole_queue():
+    layout = scale.Layout.of(5_000, 10)
+
+    assert layout.largest == (250, 5, 495)
+    assert layout.queued == []
+    assert sum(layout.finished) + sum(layout.largest) == 5_000
