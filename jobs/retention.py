@@ -13,6 +13,7 @@ waits until the delivery is done or given up.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -40,6 +41,7 @@ class PurgeReport:
     unfinished: list[int] = field(default_factory=list)  # started, budget spent
     refused: dict[int, str] = field(default_factory=dict)
     archives: list[str] = field(default_factory=list)
+    longest_chunk: float = 0.0  # seconds, of the slowest chunk's transaction
     # A dry run's list: {"id", "name", "items", "finished_at"} per batch.
     planned: list[dict] = field(default_factory=list)
 
@@ -53,6 +55,7 @@ class PurgeReport:
             "unfinished": self.unfinished,
             "refused": {str(k): v for k, v in self.refused.items()},
             "archives": self.archives,
+            "longest_chunk_seconds": round(self.longest_chunk, 3),
         }
 
     def lines(self) -> list[str]:
@@ -145,9 +148,11 @@ def _purge_batch(
                 report.unfinished.append(batch_id)
                 return
             limit = min(limit, left)
+        started = time.perf_counter()
         purged = transitions.purge_batch_chunk(
             batch_id, finished_before=report.cutoff, limit=limit
         )
+        report.longest_chunk = max(report.longest_chunk, time.perf_counter() - started)
         report.jobs += purged.jobs
         if purged.refused:
             report.refused[batch_id] = purged.refused

@@ -13,7 +13,8 @@ Two backends write the hot transitions (claim, complete, reclaim), chosen once
 per connection (``backends.py``): the portable ORM backend (``orm.py``, the
 reference and PostgreSQL's healing path) and the PostgreSQL statement backend
 (``postgres.py`` with ``statements.py``). The other transitions are portable
-ORM code shared by both (``actions.py``, ``repairs.py``, ``workers.py``).
+ORM code shared by both (``actions.py``, ``repairs.py``, ``retention.py``,
+``workers.py``).
 A differential test runs every transition through both and compares the rows.
 
 Time: ``now=None`` means the database's clock on PostgreSQL (web nodes and

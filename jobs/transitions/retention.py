@@ -102,7 +102,9 @@ def purge_chunk(batch_id: int, *, finished_before: datetime, limit: int) -> Purg
             return Purged(batch_id, refused="has queued or leased jobs")
         if jobs:
             _delete_jobs(batch_id, jobs)
-        if len(jobs) < limit:
+        # Fewer than asked can also mean a concurrent purge deleted some of
+        # the rows this one waited for: the batch goes only once none is left.
+        if len(jobs) < limit and not Job.objects.filter(batch_id=batch_id).exists():
             _delete_batch(batch_id)
             return Purged(batch_id, jobs=len(jobs), batch_deleted=True)
         return Purged(batch_id, jobs=len(jobs))

@@ -20,7 +20,7 @@ from django.db import connection
 from batches.models import Batch, BatchCounter, BatchItem
 from bench import seed
 from jobs import transitions
-from jobs.models import Job, Lease
+from jobs.models import Job, Lease, Tally
 
 from ..factories import T0, assert_consistent, claim, jobs_of, make_batch
 
@@ -212,3 +212,32 @@ def test_claims_in_other_batches_go_on_while_a_chunk_is_held(worker):
     assert job is not None
     assert took < 0.5
     assert not Batch.objects.filter(pk=old.pk).exists()
+
+
+def test_two_purges_at_once_delete_each_job_once():
+    now = transitions.now()
+    batch = seed.batch("old", now=now - timedelta(days=3), completed=1_000)
+    Batch.objects.filter(pk=batch.pk).update(finished_at=now - timedelta(days=2))
+    reports, errors = [], []
+
+    def run() -> None:
+        from jobs.retention import purge
+
+        try:
+            reports.append(purge(older_than=timedelta(days=1), chunk=50))
+        except BaseException as error:  # reported below
+            errors.append(error)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert sum(r.jobs for r in reports) == 1_000
+    assert sorted(len(r.batches) for r in reports) == [0, 1]
+    assert not Batch.objects.filter(pk=batch.pk).exists()
+    assert Tally.objects.get(name="jobs_completed_purged").count == 1_000
+    assert_consistent(transitions.now())
