@@ -1251,6 +1251,13 @@ def purge_while_claiming(bench: Bench) -> None:
     bench.add(
         "17",
         "purge",
+        "claims over 200 ms: during the purge / just before",
+        f"{sum(w > 0.2 for w in waits)} of {len(waits):,} / "
+        f"{sum(w > 0.2 for w in quiet)} of {len(quiet):,}",
+    )
+    bench.add(
+        "17",
+        "purge",
         "recall_check after the purge",
         f"{len(violations)} violations",
         "0",
