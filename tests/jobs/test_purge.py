@@ -15,6 +15,7 @@ from django.core.management import CommandError, call_command
 
 from batches.archive import archive_path
 from batches.exports import jsonl_lines
+from batches.intakes import Intake
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
 from jobs import fleet, transitions
 from jobs.metrics import render
@@ -101,9 +102,13 @@ def test_an_old_finished_batch_goes_with_everything_it_owns(worker):
         "counters": 16, "minutes": 4, "outbox": 2,
     }  # fmt: skip
 
+    intake = Intake.objects.create(name="old", batch=old)
+
     report = purge(older_than=DAY, now=T0 + 2 * DAY)
 
     assert rows_of(old.pk) == GONE
+    intake.refresh_from_db()
+    assert intake.batch is None  # the intake's record stays, without its batch
     assert report.batches == [old.pk]
     assert report.jobs == 4
     assert WebhookDelivery.objects.count() == 0
