@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import multiprocessing
+import os
 import secrets
 import threading
 import time
@@ -204,8 +205,9 @@ def model(args: dict, started) -> dict:
     """``transitions.claim_next`` then ``transitions.complete``, as the API calls
     them (with the database's clock, read inside each statement).
 
-    With ``latency``: also the time of every claim. With ``bucket``: completions
-    per ``bucket`` seconds (sustained load).
+    With ``latency``: also the time of every claim (and with ``stamps``, when
+    each began, wall clock). With ``bucket``: completions per ``bucket``
+    seconds (sustained load). With ``stop_file``: stop once that file exists.
     """
     from jobs import transitions
     from jobs.models import Job, Worker
@@ -215,11 +217,15 @@ def model(args: dict, started) -> dict:
         Job.objects.filter(pk=0).exists()  # open the connection before the start
         return {}
     _, deadline = started
-    latencies, buckets = [], []
+    latencies, buckets, stamps = [], [], []
     done, began, cpu = 0, time.perf_counter(), time.process_time()
-    bucket = args.get("bucket")
+    bucket, stop_file = args.get("bucket"), args.get("stop_file")
     while time.time() < deadline:
+        if stop_file and os.path.exists(stop_file):
+            break
         t0 = time.perf_counter()
+        if args.get("stamps"):
+            stamps.append(time.time())
         job = transitions.claim_next(worker)
         if args.get("latency"):
             latencies.append(time.perf_counter() - t0)
@@ -235,6 +241,7 @@ def model(args: dict, started) -> dict:
     report = _latency_report(latencies, done, time.perf_counter() - began)
     report["buckets"] = buckets
     report["cpu"] = time.process_time() - cpu
+    report["stamps"] = stamps
     return report
 
 

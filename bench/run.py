@@ -58,6 +58,9 @@ class Sizes:
     fleet_baseline_seconds: float = 20.0
     fleet_cpu_seconds: float = 60.0
     fleet_trials: int = 8
+    purge_items: int = 200_000
+    purge_batches: int = 10
+    purge_baseline_seconds: float = 20.0
 
     @classmethod
     def quick(cls, processes: int) -> Sizes:
@@ -91,6 +94,9 @@ class Sizes:
             fleet_baseline_seconds=1.0,
             fleet_cpu_seconds=2.0,
             fleet_trials=2,
+            purge_items=2_000,
+            purge_batches=2,
+            purge_baseline_seconds=1.0,
         )
 
 
@@ -1147,6 +1153,118 @@ def idle_fleet(bench: Bench) -> None:
     )
 
 
+def purge_while_claiming(bench: Bench) -> None:
+    """17: purge finished batches (retention) while P workers claim and complete."""
+    from batches.models import Batch
+    from bench import loops, seed
+    from bench.loops import utcnow
+    from jobs.checks import find_violations
+    from jobs.retention import purge
+
+    now = utcnow()
+    items, batches = bench.sizes.purge_items, bench.sizes.purge_batches
+    old = [
+        seed.batch(
+            f"bench-old-{i}",
+            now=now - timedelta(days=40),
+            completed=items // batches,
+            analyze=i == batches - 1,
+        ).pk
+        for i in range(batches)
+    ]
+    Batch.objects.filter(pk__in=old).update(finished_at=now - timedelta(days=31))
+    # Enough queued work that the claimers outlast the purge.
+    side = seed.batch(
+        "bench-purge-side",
+        now=now - timedelta(seconds=1),
+        queued=max(2_000, items // 2),
+        priority=20,
+    )
+    workers = _workers(bench.p)
+    stop = Path(tempfile.mkdtemp()) / "stop"
+    claims: list[dict] = []
+    going = threading.Event()
+    thread = threading.Thread(
+        target=lambda: claims.extend(
+            loops.run(
+                "model",
+                [
+                    {
+                        "worker": w.pk,
+                        "latency": True,
+                        "stamps": True,
+                        "stop_file": str(stop),
+                    }
+                    for w, _ in workers
+                ],
+                duration=3_600,
+                started=going,
+            )
+        )
+    )
+    thread.start()
+    going.wait(timeout=180)
+    # The same claims before the purge: what this machine gives without one.
+    quiet_from = time.time() + 0.5
+    time.sleep(0.5 + bench.sizes.purge_baseline_seconds)
+    began = time.time()
+    started = time.perf_counter()
+    report = purge(older_than=timedelta(days=30))
+    took = time.perf_counter() - started
+    ended = time.time()
+    stop.touch()
+    thread.join()
+    Batch.objects.filter(pk=side.pk).update(paused_at=utcnow())
+    stamped = [
+        (at, latency)
+        for r in claims
+        for at, latency in zip(r["stamps"], r["latencies"], strict=True)
+    ]
+    waits = [latency for at, latency in stamped if began <= at <= ended]
+    quiet = [latency for at, latency in stamped if quiet_from <= at < began]
+    done = sum(r["done"] for r in claims)
+    left = Batch.objects.filter(pk__in=old).count()
+    violations = find_violations()
+    bench.add(
+        "17",
+        "purge",
+        f"delete {report.jobs:,} finished items in {len(report.batches)} batches "
+        f"(P={bench.p} claiming)",
+        f"{took:.1f} s = {report.jobs / took:,.0f} items/s",
+        "all gone",
+        report.jobs == items and left == 0,
+    )
+    bench.add(
+        "17",
+        "purge",
+        f"longest claim meanwhile (p99), of {len(waits):,}; {done:,} completed",
+        f"{_ms(max(waits))} ({_ms(_pct(waits, 0.99))})",
+        "<= 200 ms",
+        bool(waits) and max(waits) <= 0.2,
+    )
+    bench.add(
+        "17",
+        "purge",
+        f"the same claims just before the purge, {len(quiet):,}; longest purge chunk",
+        f"{_ms(max(quiet))} ({_ms(_pct(quiet, 0.99))}); {_ms(report.longest_chunk)}",
+    )
+    bench.add(
+        "17",
+        "purge",
+        "claims over 200 ms: during the purge / just before",
+        f"{sum(w > 0.2 for w in waits)} of {len(waits):,} / "
+        f"{sum(w > 0.2 for w in quiet)} of {len(quiet):,}",
+    )
+    bench.add(
+        "17",
+        "purge",
+        "recall_check after the purge",
+        f"{len(violations)} violations",
+        "0",
+        not violations,
+    )
+
+
 SCENARIOS = {
     "1": throughput,
     "4": peers,
@@ -1159,6 +1277,7 @@ SCENARIOS = {
     "12": exports_vs_heartbeats,
     "13": metrics_scrape,
     "14": idle_fleet,
+    "17": purge_while_claiming,
 }
 # 2, 3 and 8 are measured with 1, interleaved with it.
 ALIASES = {"2": "1", "3": "1", "8": "1"}
@@ -1276,6 +1395,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sustain-minutes", type=float)
     parser.add_argument(
+        "--purge-items",
+        type=int,
+        help="finished items scenario 17 purges (default 200,000; 1000000 for 1M)",
+    )
+    parser.add_argument(
         "--database-url", help="measure this PostgreSQL (default: a private server)"
     )
     parser.add_argument(
@@ -1304,6 +1428,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes.runs = args.runs
     if args.sustain_minutes is not None:
         sizes.sustain_seconds = args.sustain_minutes * 60
+    if args.purge_items is not None:
+        sizes.purge_items = args.purge_items
     wanted = {n.strip() for n in args.only.split(",") if n.strip()} or set(SCENARIOS)
     unknown = wanted - set(SCENARIOS) - set(ALIASES)
     if unknown:

@@ -73,10 +73,15 @@ def tallies() -> dict[str, int]:
 
 def finished_totals(counts: dict[str, int], tally: dict[str, int]) -> tuple[int, int]:
     """(jobs ever completed, jobs ever failed for good). The counters hold the
-    jobs done and failed now; a failed job queued again by *retry failed* is
-    kept in a tally, so the totals only ever grow."""
-    completed = counts[JobStatus.COMPLETED]
-    failed = counts[JobStatus.FAILED] + tally.get("jobs_failed_retried", 0)
+    jobs done and failed now; a failed job queued again by *retry failed*, and
+    a finished job deleted by a purge (retention), are kept in tallies, so the
+    totals only ever grow."""
+    completed = counts[JobStatus.COMPLETED] + tally.get("jobs_completed_purged", 0)
+    failed = (
+        counts[JobStatus.FAILED]
+        + tally.get("jobs_failed_retried", 0)
+        + tally.get("jobs_failed_purged", 0)
+    )
     return completed, failed
 
 

@@ -496,7 +496,15 @@ class WebhookEvent(models.Model):
 
     class Meta:
         permissions = [("redeliver_webhookevent", "Can redeliver webhook events")]
-        indexes = [models.Index(fields=["batch", "id"], name="webhook_event_batch")]
+        indexes = [
+            models.Index(fields=["batch", "id"], name="webhook_event_batch"),
+            # Deleting items (a purge) checks that no event points at them.
+            models.Index(
+                fields=["item"],
+                name="webhook_event_item",
+                condition=Q(item__isnull=False),
+            ),
+        ]
         constraints = [
             models.CheckConstraint(
                 condition=Q(type__in=WebhookEventType.values),

@@ -1,4 +1,5 @@
-"""The sweep: reclaim expired leases, reconcile, settle finished batches.
+"""The sweep: reclaim expired leases, reconcile, settle finished batches (and,
+with ``RECALL_RETENTION_DAYS``, purge a bounded share of old ones).
 
 One function serves the django-q2 schedule (``jobs.tasks.sweep``), the
 ``recall_sweep`` command and start-up. It is safe to run several at once:
@@ -23,6 +24,7 @@ from django.db.models import Q
 from . import transitions
 from .models import SweepState
 from .reconcile import reconcile, sweep_state
+from .retention import purge
 
 log = logging.getLogger("recall.sweep")
 
@@ -51,6 +53,13 @@ def sweep(*, now: datetime | None = None, full: bool = False) -> dict[str, Any]:
         report["batches_finished"] = transitions.settle(now=now)
         retention = timedelta(hours=settings.RECALL_THROUGHPUT_RETENTION_HOURS)
         transitions.drop_throughput(before=now - retention)
+        if settings.RECALL_RETENTION_DAYS is not None:
+            purged = purge(
+                older_than=timedelta(days=settings.RECALL_RETENTION_DAYS),
+                now=now,
+                budget=settings.RECALL_RETENTION_PURGE_PER_SWEEP,
+            )
+            report["purged"] = {"batches": len(purged.batches), "jobs": purged.jobs}
         SweepState.objects.filter(pk=SweepState.SINGLETON).update(
             last_started_at=now,
             last_finished_at=now + timedelta(seconds=time.monotonic() - started),

@@ -277,6 +277,21 @@ RECALL_STALLED_AFTER_SECONDS = env.int(
 RECALL_THROUGHPUT_RETENTION_HOURS = env.int(
     "RECALL_THROUGHPUT_RETENTION_HOURS", default=48
 )
+# Retention (README "Retention"): when set, each sweep deletes batches finished
+# more than this many days ago, at most RECALL_RETENTION_PURGE_PER_SWEEP jobs a
+# pass. Unset (the default): nothing is ever deleted but by recall_purge.
+_retention = env.str("RECALL_RETENTION_DAYS", default="").strip()
+try:
+    RECALL_RETENTION_DAYS = float(_retention) if _retention else None
+except ValueError:
+    RECALL_RETENTION_DAYS = float("nan")
+if RECALL_RETENTION_DAYS is not None and not 0 <= RECALL_RETENTION_DAYS < 36500:
+    raise ImproperlyConfigured(
+        "RECALL_RETENTION_DAYS must be a number of days from 0 (or empty: off)."
+    )
+RECALL_RETENTION_PURGE_PER_SWEEP = env.int(
+    "RECALL_RETENTION_PURGE_PER_SWEEP", default=10_000
+)
 # /readyz fails when the last sweep finished longer ago than this.
 RECALL_READY_MAX_SWEEP_AGE_SECONDS = env.int(
     "RECALL_READY_MAX_SWEEP_AGE_SECONDS", default=300
@@ -341,6 +356,7 @@ for _name in (
     "RECALL_MAX_ATTEMPTS",
     "RECALL_CHUNK_SIZE",
     "RECALL_MAX_LEASES_PER_WORKER",
+    "RECALL_RETENTION_PURGE_PER_SWEEP",
 ):
     if globals()[_name] < 1:
         raise ImproperlyConfigured(f"{_name} must be at least 1.")

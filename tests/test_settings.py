@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCTION = {
     "PATH": os.environ["PATH"],
@@ -155,3 +157,30 @@ def test_gunicorn_runs_threads():
     assert config() == [threaded, cores + 1, 8, "8"]
     assert config(WEB_CONCURRENCY="3", RECALL_WEB_THREADS="4") == [threaded, 3, 4, "4"]
     assert config(RECALL_WEB_THREADS="1") == ["sync", cores + 1, 1, "1"]
+
+
+SHOW_RETENTION = (
+    "from django.conf import settings; print(settings.RECALL_RETENTION_DAYS, "
+    "settings.RECALL_RETENTION_PURGE_PER_SWEEP)"
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(None, "None 10000"), ("", "None 10000"), ("90", "90.0 10000")]
+)
+def test_retention_is_off_unless_set(value, shown):
+    env = (
+        {**PRODUCTION}
+        if value is None
+        else {**PRODUCTION, "RECALL_RETENTION_DAYS": value}
+    )
+    result = manage("shell", "-v", "0", "-c", SHOW_RETENTION, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == shown
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "ninety", "inf"])
+def test_a_bad_retention_is_refused_at_start_up(value):
+    result = manage("check", env={**PRODUCTION, "RECALL_RETENTION_DAYS": value})
+    assert result.returncode != 0
+    assert "RECALL_RETENTION_DAYS must be a number of days" in result.stderr

@@ -13,7 +13,8 @@ Two backends write the hot transitions (claim, complete, reclaim), chosen once
 per connection (``backends.py``): the portable ORM backend (``orm.py``, the
 reference and PostgreSQL's healing path) and the PostgreSQL statement backend
 (``postgres.py`` with ``statements.py``). The other transitions are portable
-ORM code shared by both (``actions.py``, ``repairs.py``, ``workers.py``).
+ORM code shared by both (``actions.py``, ``repairs.py``, ``retention.py``,
+``workers.py``).
 A differential test runs every transition through both and compares the rows.
 
 Time: ``now=None`` means the database's clock on PostgreSQL (web nodes and
@@ -30,15 +31,17 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import QuerySet
 
 from batches.models import Batch
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
-from . import actions, repairs, webhooks, workers
+from . import actions, repairs, retention, webhooks, workers
 from .actions import Audit
 from .backends import backend
 from .orm import ItemRow
+from .retention import Purged
 from .rows import log_lease
 from .webhooks import Claimed, Outcome
 
@@ -47,6 +50,7 @@ __all__ = [
     "Claimed",
     "ItemRow",
     "Outcome",
+    "Purged",
     "acquire_webhook_dispatcher",
     "authenticate_worker",
     "backend",
@@ -74,6 +78,7 @@ __all__ = [
     "heartbeat",
     "now",
     "pause_batch",
+    "purge_batch_chunk",
     "reclaim_expired",
     "record_webhook_attempt",
     "recount",
@@ -431,6 +436,24 @@ def finish_interrupted_cancel(*, now: datetime | None = None) -> int:
 
 def drop_throughput(*, before: datetime) -> int:
     return repairs.drop_throughput(before=before)
+
+
+# --- Retention ---------------------------------------------------------------------
+
+
+def purge_batch_chunk(
+    batch_id: int, *, finished_before: datetime, limit: int | None = None
+) -> Purged:
+    """One transaction of a purge: up to ``limit`` (``RECALL_CHUNK_SIZE``) of a
+    batch's jobs with their items, ledger rows, events and outbox rows, off
+    the counters; the batch itself once none is left. Only a batch finished
+    (or cancelled and settled) before ``finished_before``, re-checked under
+    its lock; otherwise nothing is deleted and ``refused`` says why."""
+    return retention.purge_chunk(
+        batch_id,
+        finished_before=finished_before,
+        limit=settings.RECALL_CHUNK_SIZE if limit is None else limit,
+    )
 
 
 # --- Webhooks (events are written by the transitions above: outbox.py) ------------
