@@ -7,6 +7,8 @@ Each server process holding parked claims (``jobs/waiter.py``,
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.db.models import Count, Exists, F, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce
 
@@ -20,7 +22,7 @@ from .models import Job, JobStatus
 PROBE_BATCHES = 20
 
 
-def claimable_jobs(limit: int) -> int:
+def claimable_jobs(limit: int, *, now: datetime | None = None) -> int:
     """How many jobs claims could take now, at most ``limit``: expired leases
     (a claim reclaims them first) plus, per open batch with a claimable job,
     its claimable jobs up to the room under its in-flight cap (in the first
@@ -28,7 +30,7 @@ def claimable_jobs(limit: int) -> int:
     waker's probe, a few index probes."""
     if limit < 1:
         return 0
-    now = transitions.now()
+    now = transitions.now() if now is None else now
     found = Job.objects.expired(now)[:limit].count()
     if found >= limit:
         return limit
