@@ -3,11 +3,11 @@
 Each simulated worker behaves like the reference worker (worker/recall_worker.py)
 between jobs with ``--wait-seconds``: it claims with ``{"wait_seconds": W}``;
 on 204 it claims again at once (the server held it); on a job it reports the
-claim to the benchmark, then heartbeats the lease every ``interval`` seconds
-until the run ends. A few more workers hold a lease from the start and
-heartbeat it throughout. Every call is a new HTTP connection, as urllib makes
-them. It runs in a process of its own (asyncio, no threads), so its CPU is not
-the server's.
+claim to the benchmark, then heartbeats the lease every ``heartbeat_interval``
+(from the claim) until the run ends. A few more workers hold a lease from the
+start and heartbeat it every ``interval`` seconds throughout. Every call is a
+new HTTP connection, as urllib makes them. It runs in a process of its own
+(asyncio, no threads), so its CPU is not the server's.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ async def _fleet(host, port, tokens, leases, wait, interval, **shared):
         head, _, payload = response.partition(b"\r\n\r\n")
         return int(head.split(b" ", 2)[1]), payload
 
-    async def heartbeat(token: str, job_id: int, lease_token: str) -> None:
+    async def heartbeat(token: str, job_id: int, lease_token: str, every: float):
         while not stop.is_set():
             started = time.monotonic()
             try:
@@ -107,7 +107,7 @@ async def _fleet(host, port, tokens, leases, wait, interval, **shared):
             latencies.append(time.monotonic() - started)
             if status != 200:
                 errors.value += 1
-            await asyncio.sleep(interval)
+            await asyncio.sleep(every)
 
     async def worker(token: str) -> None:
         while not stop.is_set():
@@ -121,13 +121,15 @@ async def _fleet(host, port, tokens, leases, wait, interval, **shared):
             if status == 200:
                 job = json.loads(payload)["job"]
                 claims.put((time.time(), job["id"]))
-                await heartbeat(token, job["id"], job["lease_token"])
+                await heartbeat(
+                    token, job["id"], job["lease_token"], job["heartbeat_interval"]
+                )
                 return
             if status != 204:
                 errors.value += 1
                 await asyncio.sleep(1)
 
-    tasks = [asyncio.create_task(heartbeat(*lease)) for lease in leases]
+    tasks = [asyncio.create_task(heartbeat(*lease, interval)) for lease in leases]
     tasks += [asyncio.create_task(worker(token)) for token in tokens]
     while not stop.is_set():
         await asyncio.sleep(0.2)

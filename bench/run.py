@@ -1236,8 +1236,9 @@ def long_poll(bench: Bench) -> None:
     bench.add(
         "15",
         "long-poll",
-        f"heartbeat p50 / p99 / max ({len(latencies)} heartbeats, every "
-        f"{sizes.heartbeat_interval:g} s, throughout)",
+        f"heartbeat p50 / p99 / max ({len(latencies)} heartbeats: "
+        f"{sizes.long_poll_beaters} leases every {sizes.heartbeat_interval:g} s "
+        f"throughout, the {n} new ones at their interval)",
         f"{_ms(_pct(latencies, 0.5))} / {_ms(_pct(latencies, 0.99))} / "
         f"{_ms(max(latencies))}",
         "p99 < 1 s",

@@ -12,27 +12,32 @@ every thread of every process is busy.
 Long-poll claims (``{"wait_seconds": N}``, ``jobs/waiter.py``): the claim view
 tries once on a thread; if nothing is claimable it parks the request, and this
 worker keeps the connection in its event loop (no thread, no database
-connection) with the 204 the view answered. While any claim is parked, one
-probe per process every ``RECALL_LONG_POLL_PROBE_SECONDS`` asks the database how
-many jobs claims could take; that many parked claims (oldest first) go back to
-the threads and run the view again. A claim whose wait is over gets its kept
-204; one whose client hung up is dropped. A stopping worker answers all of
-them at once. Nothing is sent per transition (no ``NOTIFY``): the probe is the
-only cost, and only while someone waits.
+connection) with the 204 the view answered. While any claim is parked, a probe
+every ``RECALL_LONG_POLL_PROBE_SECONDS`` asks the database how many jobs claims
+could take (the processes of one server share one answer per interval); that
+many parked claims (oldest first) go back to the threads and run the view
+again, on at most half the threads at a time. A claim whose wait is over gets
+its kept 204; one whose client hung up is dropped. A stopping worker answers
+all of them at once. Nothing is sent per transition (no ``NOTIFY``): the probe
+is the only cost, and only while someone waits.
 
-Everything here except the ``_serve``, ``_answer_held`` and ``_probe`` methods
-runs on the worker's main thread (the accept and completion callbacks of
-gunicorn's event loop), so the counts and the parked set need no lock.
+Everything here except ``_serve``, ``_run_again``, ``_answer_held`` and
+``_probe`` (run on the pool's threads) runs on the worker's main thread (the
+accept and completion callbacks of gunicorn's event loop), so the counts and
+the parked set need no lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
+import os
 import selectors
 import socket
 import sys
+import tempfile
 import time
 from datetime import datetime
 from functools import partial
@@ -42,6 +47,11 @@ from gunicorn.http import wsgi
 from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
 
 from jobs.waiter import WAITER_KEY, Waiter
+
+
+def probe_file(master_pid: int) -> str:
+    """The file where one server's processes share their probe's answer."""
+    return os.path.join(tempfile.gettempdir(), f"recall-long-poll-{master_pid}")
 
 
 class Held:
@@ -59,6 +69,8 @@ class ThreadWorker(StockThreadWorker):
         self.parked: dict = {}  # connection -> Waiter, oldest first
         self.probing = False
         self.next_probe = 0.0
+        self.wake_budget = 0  # claims the last probe said could find work
+        self.waking: set = set()  # woken claims running again on threads
 
     # --- Listening only with a free thread ------------------------------------
 
@@ -70,10 +82,15 @@ class ThreadWorker(StockThreadWorker):
     def finish_request(self, conn, fs):
         self.busy -= 1
         result = None if fs.cancelled() or fs.exception() else fs.result()
+        if conn in self.waking:
+            self.waking.discard(conn)
+            if isinstance(result, Waiter):
+                self.wake_budget = 0  # it found nothing: others were faster
         if isinstance(result, Waiter):
             self._park(conn, result)
         else:
             super().finish_request(conn, fs)  # may submit the connection's next request
+        self._wake()
         self._listen()
 
     def set_accept_enabled(self, enabled):
@@ -271,31 +288,61 @@ class ThreadWorker(StockThreadWorker):
         if self.parked and not self.probing and now >= self.next_probe:
             self.probing = True
             self.busy += 1
-            fs = self.tpool.submit(self._probe, len(self.parked))
+            fs = self.tpool.submit(self._probe)
             fs.add_done_callback(lambda fut: self.method_queue.defer(self._probed, fut))
 
     def _probed(self, fs):
         self.busy -= 1
         self.probing = False
         self.next_probe = time.monotonic() + self._probe_interval()
-        found = 0 if fs.cancelled() or fs.exception() else fs.result()
-        for conn in list(self.parked)[:found]:
-            waiter = self._unpark(conn)
-            self._submit(conn, self._run_again, conn, waiter)
+        self.wake_budget = 0 if fs.cancelled() or fs.exception() else fs.result()
+        self._wake()
         self._listen()
 
-    def _probe(self, limit: int) -> int:
-        """How many parked claims to wake (on a thread, with its connection)."""
+    def _wake(self):
+        """Run parked claims again, oldest first, as many as the last probe
+        found work for, but on at most half the threads at a time: a batch for
+        hundreds of waiting workers must not queue heartbeats behind it."""
+        limit = max(1, self.cfg.threads // 2)
+        while self.wake_budget > 0 and self.parked and len(self.waking) < limit:
+            conn = next(iter(self.parked))
+            waiter = self._unpark(conn)
+            self.wake_budget -= 1
+            self.waking.add(conn)
+            self._submit(conn, self._run_again, conn, waiter)
+
+    def _probe(self) -> int:
+        """How many parked claims may find work (on a thread, with its database
+        connection). The server's processes share one answer per interval
+        through a locked file, so a server asks once, however many processes
+        hold claims."""
+        with open(probe_file(self.ppid), "a+b") as shared:
+            fcntl.flock(shared, fcntl.LOCK_EX)  # released when the file closes
+            shared.seek(0)
+            last = shared.read().split()
+            if len(last) == 2 and (
+                time.monotonic() - float(last[0]) < self._probe_interval() * 0.9
+            ):
+                return int(last[1])
+            found = self._ask_database()
+            if found is None:
+                return 0
+            shared.seek(0)
+            shared.truncate()
+            shared.write(f"{time.monotonic()} {found}".encode())
+            return found
+
+    def _ask_database(self) -> int | None:
         from django.db import close_old_connections
 
         from jobs.longpoll import claimable_jobs
 
         close_old_connections()
         try:
-            return claimable_jobs(limit)
+            return claimable_jobs(self.worker_connections)
         except Exception:
             self.log.exception("long-poll probe failed; trying again")
-            return 0
+            return None
         finally:
             close_old_connections()
 

@@ -216,18 +216,28 @@ def test_a_stopping_server_answers_its_waiting_claims_at_once(server):
 
 
 def test_many_waiting_claims_hold_no_thread_and_do_not_slow_heartbeats(server):
-    """200 claims wait 6 s on 2 processes x 4 threads; meanwhile a worker
-    heartbeats its lease as fast as it can. Every heartbeat is answered in well
-    under a second, the server holds no more database connections than it has
-    threads, and each waiting claim is answered 204 when its 6 s are over."""
+    """200 claims wait 8 s on 2 processes x 4 threads; once they all wait, a
+    worker heartbeats its lease as fast as it can for 5 s. Every heartbeat is
+    answered in well under a second, the server holds no more database
+    connections than it has threads, and each waiting claim is answered 204
+    when its 8 s are over."""
     _, port = server
     make_batch(1, now=timezone.now())
     busy = make_worker("busy")
     status, body, _ = post(port, busy, "claim", {})
     assert status == 200
     job = body["job"]
-    idle = [make_worker(f"idle-{i}") for i in range(4)]
-    waiting = [Waiting(port, idle[i % 4], 6) for i in range(200)]
+    idle = [make_worker(f"idle-{i}") for i in range(200)]
+    waiting = [Waiting(port, worker, 8) for worker in idle]
+    # Every claim has been tried once (each marks its worker seen), then parked.
+    deadline = time.monotonic() + 30
+    while (
+        Worker.objects.filter(name__startswith="idle-", last_seen__isnull=False).count()
+        < 200
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.2)
 
     beats: list[float] = []
     seen_backends: list[int] = []
@@ -251,7 +261,7 @@ def test_many_waiting_claims_hold_no_thread_and_do_not_slow_heartbeats(server):
     answers = [w.answer() for w in waiting]
 
     assert [(status, body) for status, body, _ in answers] == [(204, None)] * 200
-    assert min(took for _, _, took in answers) >= 6
+    assert min(took for _, _, took in answers) >= 8
     assert len(beats) > 50
     beats.sort()
     assert beats[-1] < 1.0, beats[-5:]
