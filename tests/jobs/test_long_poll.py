@@ -5,8 +5,10 @@ holding of parked claims, is tested against real gunicorn in
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from jobs import transitions
 from jobs.longpoll import claimable_jobs
@@ -183,3 +185,14 @@ def test_the_probe_sees_a_released_lease_and_an_expired_one():
     expires = Job.objects.get(pk=second.pk).lease_expires_at
     assert claimable_jobs(10, now=expires) == 1
     assert claimable_jobs(10, now=later(3600)) == 2
+
+
+def test_the_probe_reads_the_database_clock_when_not_told():
+    """Without ``now`` each statement reads the database's clock: work due in
+    the past counts, a retry due in an hour does not."""
+    batch = make_batch(2, now=timezone.now() - timedelta(seconds=5))
+    assert claimable_jobs(10) == 2
+    Job.objects.filter(batch=batch).update(
+        available_at=timezone.now() + timedelta(hours=1)
+    )
+    assert claimable_jobs(10) == 0
