@@ -16,7 +16,7 @@ connection) with the 204 the view answered. While any claim is parked, a probe
 every ``RECALL_LONG_POLL_PROBE_SECONDS`` asks the database how many jobs claims
 could take (the processes of one server share one answer per interval); that
 many parked claims (oldest first) go back to the threads and run the view
-again, on at most half the threads at a time. A claim whose wait is over gets
+again, leaving a thread free for other requests. A claim whose wait is over gets
 its kept 204; one whose client hung up is dropped. A stopping worker answers
 all of them at once. Nothing is sent per transition (no ``NOTIFY``): the probe
 is the only cost, and only while someone waits.
@@ -301,9 +301,9 @@ class ThreadWorker(StockThreadWorker):
 
     def _wake(self):
         """Run parked claims again, oldest first, as many as the last probe
-        found work for, but on at most half the threads at a time: a batch for
-        hundreds of waiting workers must not queue heartbeats behind it."""
-        limit = max(1, self.cfg.threads // 2)
+        found work for, but leaving a thread free: a batch for hundreds of
+        waiting workers must not queue heartbeats behind it."""
+        limit = max(1, self.cfg.threads - 1)
         while self.wake_budget > 0 and self.parked and len(self.waking) < limit:
             conn = next(iter(self.parked))
             waiter = self._unpark(conn)
