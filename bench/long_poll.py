@@ -5,7 +5,8 @@ between jobs with ``--wait-seconds``: it claims with ``{"wait_seconds": W}``;
 on 204 it claims again at once (the server held it); on a job it reports the
 claim to the benchmark, then heartbeats the lease every ``heartbeat_interval``
 (from the claim) until the run ends. A few more workers hold a lease from the
-start and heartbeat it every ``interval`` seconds throughout. Every call is a
+start and heartbeat it every ``interval`` seconds throughout. The workers start
+over ``spread`` seconds, as a fleet does, not in one instant. Every call is a
 new HTTP connection, as urllib makes them. It runs in a process of its own
 (asyncio, no threads), so its CPU is not the server's.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import random
 import time
 
 
@@ -30,6 +32,7 @@ class LongPollFleet:
         *,
         wait: float,
         interval: float,
+        spread: float,
     ):
         context = multiprocessing.get_context("spawn")
         self.polls = context.Value("q", 0)
@@ -39,7 +42,7 @@ class LongPollFleet:
         self.stop_event = context.Event()
         self.process = context.Process(
             target=_main,
-            args=(host, port, tokens, leases, wait, interval),
+            args=(host, port, tokens, leases, wait, interval, spread),
             kwargs={
                 "polls": self.polls,
                 "errors": self.errors,
@@ -57,8 +60,8 @@ class LongPollFleet:
         """(time.time() when the claim answered, job id) of the next claim."""
         return self.claims.get(timeout=timeout)
 
-    def stop(self) -> list[float]:
-        """Stop; every heartbeat's latency (seconds)."""
+    def stop(self) -> list[tuple[float, float]]:
+        """Stop; every heartbeat's (time.time() when sent, latency in seconds)."""
         self.stop_event.set()
         latencies = self.beats.get(timeout=120)
         self.process.join(timeout=30)
@@ -67,14 +70,14 @@ class LongPollFleet:
         return latencies
 
 
-def _main(host, port, tokens, leases, wait, interval, **shared):
-    asyncio.run(_fleet(host, port, tokens, leases, wait, interval, **shared))
+def _main(host, port, tokens, leases, wait, interval, spread, **shared):
+    asyncio.run(_fleet(host, port, tokens, leases, wait, interval, spread, **shared))
 
 
-async def _fleet(host, port, tokens, leases, wait, interval, **shared):
+async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
     polls, errors, claims = shared["polls"], shared["errors"], shared["claims"]
     beats, stop = shared["beats"], shared["stop"]
-    latencies: list[float] = []
+    latencies: list[tuple[float, float]] = []
 
     async def post(token: str, path: str, body: dict, timeout: float = 60):
         data = json.dumps(body).encode()
@@ -95,7 +98,7 @@ async def _fleet(host, port, tokens, leases, wait, interval, **shared):
 
     async def heartbeat(token: str, job_id: int, lease_token: str, every: float):
         while not stop.is_set():
-            started = time.monotonic()
+            sent, started = time.time(), time.monotonic()
             try:
                 status, _ = await post(
                     token,
@@ -104,12 +107,13 @@ async def _fleet(host, port, tokens, leases, wait, interval, **shared):
                 )
             except (TimeoutError, OSError, ValueError, IndexError):
                 status = 0
-            latencies.append(time.monotonic() - started)
+            latencies.append((sent, time.monotonic() - started))
             if status != 200:
                 errors.value += 1
             await asyncio.sleep(every)
 
     async def worker(token: str) -> None:
+        await asyncio.sleep(random.uniform(0, spread))  # a fleet starts over time
         while not stop.is_set():
             try:
                 status, payload = await post(
