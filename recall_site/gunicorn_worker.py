@@ -33,6 +33,7 @@ import contextlib
 import errno
 import fcntl
 import io
+import math
 import os
 import selectors
 import socket
@@ -71,6 +72,7 @@ class ThreadWorker(StockThreadWorker):
         self.next_probe = 0.0
         self.wake_budget = 0  # claims the last probe said could find work
         self.waking: set = set()  # woken claims running again on threads
+        self.probe_failure_logged = -math.inf
 
     # --- Listening only with a free thread ------------------------------------
 
@@ -340,8 +342,12 @@ class ThreadWorker(StockThreadWorker):
         close_old_connections()
         try:
             return claimable_jobs(self.worker_connections)
-        except Exception:
-            self.log.exception("long-poll probe failed; trying again")
+        except Exception as error:
+            # The database may be down for a while: one line a minute, and the
+            # waiting claims get their 204 when their wait is over.
+            if time.monotonic() - self.probe_failure_logged >= 60:
+                self.probe_failure_logged = time.monotonic()
+                self.log.warning("long-poll probe failed (%r); trying again", error)
             return None
         finally:
             close_old_connections()
