@@ -303,10 +303,14 @@ class ThreadWorker(StockThreadWorker):
 
     def _wake(self):
         """Run parked claims again, oldest first, as many as the last probe
-        found work for, but leaving a thread free: a batch for hundreds of
-        waiting workers must not queue heartbeats behind it."""
-        limit = max(1, self.cfg.threads - 1)
-        while self.wake_budget > 0 and self.parked and len(self.waking) < limit:
+        found work for, but leaving a thread free (one woken claim may always
+        run): a batch for hundreds of waiting workers must not queue
+        heartbeats behind it."""
+        while (
+            self.wake_budget > 0
+            and self.parked
+            and (not self.waking or self.busy < self.cfg.threads - 1)
+        ):
             conn = next(iter(self.parked))
             waiter = self._unpark(conn)
             self.wake_budget -= 1
