@@ -40,6 +40,7 @@ class LongPollFleet:
         self.claims = context.Queue()
         self.beats = context.Queue()
         self.stop_event = context.Event()
+        self.go = context.Event()  # the waiting workers start (the beaters at once)
         self.process = context.Process(
             target=_main,
             args=(host, port, tokens, leases, wait, interval, spread),
@@ -49,6 +50,7 @@ class LongPollFleet:
                 "claims": self.claims,
                 "beats": self.beats,
                 "stop": self.stop_event,
+                "go": self.go,
             },
             daemon=True,
         )
@@ -76,7 +78,7 @@ def _main(host, port, tokens, leases, wait, interval, spread, **shared):
 
 async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
     polls, errors, claims = shared["polls"], shared["errors"], shared["claims"]
-    beats, stop = shared["beats"], shared["stop"]
+    beats, stop, go = shared["beats"], shared["stop"], shared["go"]
     latencies: list[tuple[float, float]] = []
 
     async def post(token: str, path: str, body: dict, timeout: float = 60):
@@ -113,6 +115,8 @@ async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
             await asyncio.sleep(every)
 
     async def worker(token: str) -> None:
+        while not go.is_set():
+            await asyncio.sleep(0.05)
         await asyncio.sleep(random.uniform(0, spread))  # a fleet starts over time
         while not stop.is_set():
             try:

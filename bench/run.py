@@ -1196,6 +1196,10 @@ def long_poll(bench: Bench) -> None:
     )
     fleet.start()
     try:
+        time.sleep(1)
+        # The 20 heartbeating workers alone: what the waiting ones add is the rest.
+        beaters = _server_cpu(bench, sizes.fleet_baseline_seconds)
+        fleet.go.set()
         deadline = time.monotonic() + 120
         while fleet.polls.value < n:  # every worker has claimed once: all wait
             if time.monotonic() > deadline:
@@ -1219,16 +1223,19 @@ def long_poll(bench: Bench) -> None:
         raise RuntimeError(f"the long-polling fleet got {errors} unexpected answers")
     leased = Job.objects.filter(batch=batch, status=JobStatus.LEASED).count()
     total = sum(cpu.values())
+    beating = sum(beaters.values())
     parts = " + ".join(f"{name} {share:.1f}%" for name, share in cpu.items())
     idle_parts = " + ".join(f"{share:.1f}%" for share in baseline.values())
     label = f"{n:,} workers waiting {sizes.long_poll_wait:g} s per claim"
     bench.add(
         "15",
         "long-poll",
-        f"server CPU, {label} ({rate:.0f} claims/s; {idle_parts} without them)",
-        f"{total:.1f}% of one core ({parts})",
+        f"server CPU, {label} ({rate:.0f} claims/s): all, less the "
+        f"{sizes.long_poll_beaters} heartbeating workers' {beating:.1f}% "
+        f"({idle_parts} with neither)",
+        f"{total - beating:.1f}% of one core (all: {total:.1f}%: {parts})",
         "<= 10% of one core",
-        total <= 10,
+        total - beating <= 10,
     )
     bench.add(
         "15",
