@@ -18,6 +18,7 @@ before any worker starts, emptied at start), and a worker that exits has its
 counts folded into an archive (``jobs/metric_files.py``).
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -94,5 +95,9 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
+    from recall_site.gunicorn_worker import probe_file
+
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(probe_file(os.getpid()))
     if METRICS_DIR == OWN_METRICS_DIR:
         shutil.rmtree(METRICS_DIR, ignore_errors=True)

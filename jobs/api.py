@@ -28,6 +28,7 @@ from .metrics import observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
 from .transitions.rules import heartbeat_interval
+from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, Waiter
 
 log = logging.getLogger("recall.api")
 
@@ -249,6 +250,18 @@ def _is_number(value: Any) -> bool:
     )
 
 
+def _wait_seconds(body: dict) -> float:
+    """How long a claim may wait for work: a number from 0 to 60 (0: answer now)."""
+    value = body.get("wait_seconds", 0)
+    if not _is_number(value) or not 0 <= value <= MAX_WAIT_SECONDS:
+        given = value if _is_number(value) else _json_type(value)
+        raise bad_request(
+            f"Field 'wait_seconds' must be a number from 0 to {MAX_WAIT_SECONDS}, "
+            f"not {given}."
+        )
+    return float(value)
+
+
 def _job(job_id: int) -> int:
     """The job to act on, unread: the transition reads it under its lock, and an
     unknown id turns out a 404 only when the transition fails (one query less
@@ -267,6 +280,7 @@ def _no_such_job(job_id: int) -> ApiError:
 
 @worker_endpoint
 def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpResponse:
+    wait = _wait_seconds(body)
     cap = settings.RECALL_MAX_LEASES_PER_WORKER
     if worker.live_leases >= cap:
         raise ApiError(
@@ -278,6 +292,12 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
         )
     job = transitions.claim_next(worker, now=now)
     if job is None:
+        # Asked to wait and the server can hold the request without a thread
+        # (jobs/waiter.py): it keeps this 204 and tries again when work may
+        # have come, or sends the 204 when the wait is over.
+        waiter = request.META.get(WAITER_KEY)
+        if wait and isinstance(waiter, Waiter):
+            waiter.park(wait, request.body)
         return HttpResponse(status=204)
     expires = job.lease_expires_at
     if expires is None:  # a leased job always has one (a check constraint)

@@ -16,7 +16,7 @@ from enum import StrEnum
 from django.conf import settings
 from django.db import models
 from django.db.models import F, Min, Q
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem, ItemStatus
@@ -114,14 +114,14 @@ class Worker(models.Model):
 class JobQuerySet(models.QuerySet):
     """Reads: chain freely, never write."""
 
-    def claimable(self, now: datetime) -> JobQuerySet:
+    def claimable(self, now: datetime | Now) -> JobQuerySet:
         return self.filter(
             status=JobStatus.QUEUED,
             available_at__lte=now,
             attempts__lt=F("max_attempts"),
         )
 
-    def expired(self, now: datetime) -> JobQuerySet:
+    def expired(self, now: datetime | Now) -> JobQuerySet:
         return self.filter(status=JobStatus.LEASED, lease_expires_at__lt=now)
 
     def for_batch(self, batch: Batch | int) -> JobQuerySet:

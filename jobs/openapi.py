@@ -106,7 +106,10 @@ SPEC = {
                 "responses": {
                     "200": _json("Claimed", "A job, leased to the caller."),
                     "204": {
-                        "description": "Nothing is claimable now; poll again later."
+                        "description": (
+                            "Nothing is claimable now (or within wait_seconds); "
+                            "claim again later."
+                        )
                     },
                     **ERRORS,
                     "429": {
@@ -177,7 +180,22 @@ SPEC = {
             },
             "ClaimRequest": {
                 "type": "object",
-                "description": "Empty; unknown fields are ignored.",
+                "description": (
+                    "Empty, or how long to wait for work; unknown fields are ignored."
+                ),
+                "properties": {
+                    "wait_seconds": {
+                        "type": "number",
+                        "minimum": 0,
+                        "maximum": 60,
+                        "default": 0,
+                        "description": (
+                            "When nothing is claimable, hold the request until "
+                            "a job is or this many seconds have passed, then "
+                            "answer 200 or 204 (a long-poll). 0 answers at once."
+                        ),
+                    }
+                },
             },
             "Claimed": {
                 "type": "object",

@@ -1,4 +1,5 @@
-"""gunicorn's ``gthread`` worker, taking a connection only when it can serve it.
+"""gunicorn's ``gthread`` worker, taking a connection only when it can serve it,
+and holding long-poll claims without a thread.
 
 The stock worker accepts connections up to ``worker_connections`` (1,000) and
 queues their requests behind its threads. A process whose threads all stream
@@ -8,19 +9,72 @@ while all its threads are busy: the kernel then hands new connections to a
 process that can answer at once, and they wait in the listen backlog only when
 every thread of every process is busy.
 
-Everything here runs on the worker's main thread (the accept and completion
-callbacks of gunicorn's event loop), so the count needs no lock.
+Long-poll claims (``{"wait_seconds": N}``, ``jobs/waiter.py``): the claim view
+tries once on a thread; if nothing is claimable it parks the request, and this
+worker keeps the connection in its event loop (no thread, no database
+connection) with the 204 the view answered. While any claim is parked, a probe
+every ``RECALL_LONG_POLL_PROBE_SECONDS`` asks the database how many jobs claims
+could take (the processes of one server share one answer per interval); that
+many parked claims (oldest first) go back to the threads and run the view
+again, leaving a thread free for other requests. A claim whose wait is over gets
+its kept 204; one whose client hung up is dropped. A stopping worker answers
+all of them at once. Nothing is sent per transition (no ``NOTIFY``): the probe
+is the only cost, and only while someone waits.
+
+Everything here except ``_serve``, ``_run_again``, ``_answer_held`` and
+``_probe`` (run on the pool's threads) runs on the worker's main thread (the
+accept and completion callbacks of gunicorn's event loop), so the counts and
+the parked set need no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import io
+import math
+import os
+import selectors
+import socket
+import sys
+import tempfile
+import time
+from datetime import datetime
+from functools import partial
+
+from gunicorn import util
+from gunicorn.http import wsgi
 from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
+
+from jobs.waiter import WAITER_KEY, Waiter
+
+
+def probe_file(master_pid: int) -> str:
+    """The file where one server's processes share their probe's answer."""
+    return os.path.join(tempfile.gettempdir(), f"recall-long-poll-{master_pid}")
+
+
+class Held:
+    """A parked request: what is needed to run it again or answer it."""
+
+    def __init__(self, req, resp, environ, chunks: list[bytes], started) -> None:
+        self.req, self.resp, self.environ = req, resp, environ
+        self.chunks, self.started = chunks, started
 
 
 class ThreadWorker(StockThreadWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.busy = 0  # requests submitted to the thread pool and not finished
+        self.parked: dict = {}  # connection -> Waiter, oldest first
+        self.probing = False
+        self.next_probe = 0.0
+        self.wake_budget = 0  # claims the last probe said could find work
+        self.waking: set = set()  # woken claims running again on threads
+        self.probe_failure_logged = -math.inf
+
+    # --- Listening only with a free thread ------------------------------------
 
     def enqueue_req(self, conn):
         self.busy += 1
@@ -29,7 +83,16 @@ class ThreadWorker(StockThreadWorker):
 
     def finish_request(self, conn, fs):
         self.busy -= 1
-        super().finish_request(conn, fs)  # may submit the connection's next request
+        result = None if fs.cancelled() or fs.exception() else fs.result()
+        if conn in self.waking:
+            self.waking.discard(conn)
+            if isinstance(result, Waiter):
+                self.wake_budget = 0  # it found nothing: others were faster
+        if isinstance(result, Waiter):
+            self._park(conn, result)
+        else:
+            super().finish_request(conn, fs)  # may submit the connection's next request
+        self._wake()
         self._listen()
 
     def set_accept_enabled(self, enabled):
@@ -38,3 +101,262 @@ class ThreadWorker(StockThreadWorker):
     def _listen(self):
         if self.alive:
             self.set_accept_enabled(self.nr_conns < self.worker_connections)
+
+    def _submit(self, conn, work, *args):
+        """Run ``work(*args)`` on a thread; its result finishes ``conn``'s request."""
+        self.busy += 1
+        fs = self.tpool.submit(work, *args)
+        fs.add_done_callback(
+            lambda fut: self.method_queue.defer(self.finish_request, conn, fut)
+        )
+        self._listen()
+
+    # --- Serving a request (on a thread) ----------------------------------------
+
+    def handle_request(self, req, conn):
+        return self._serve(req, conn, Waiter())
+
+    def _keepalive_after(self, conn, keepalive):
+        if isinstance(keepalive, Waiter):
+            return keepalive  # parked: the request is not answered yet
+        return super()._keepalive_after(conn, keepalive)
+
+    def _serve(self, req, conn, waiter: Waiter):
+        """gunicorn's ``handle_request`` with a waiter in the environ: the view
+        may park the request, and then nothing is sent and the waiter is
+        returned. A parked request runs here again with its kept body."""
+        environ: dict = {}
+        resp = None
+        again = waiter.held is not None
+        try:
+            if not again:
+                self.cfg.pre_request(self, req)
+            started = waiter.held.started if again else datetime.now()
+            resp, environ = wsgi.create(
+                req, conn.sock, conn.client, conn.server, self.cfg
+            )
+            environ["wsgi.multithread"] = True
+            environ[WAITER_KEY] = waiter
+            if again:
+                environ["wsgi.input"] = io.BytesIO(waiter.body)
+            else:
+                self.nr += 1
+                if self.nr >= self.max_requests:
+                    if self.alive:
+                        self.log.info("Autorestarting worker after current request.")
+                        self.alive = False
+                    resp.force_close()
+            if (
+                not self.alive
+                or not self.cfg.keepalive
+                or len(self.keepalived_conns) >= self.max_keepalived
+            ):
+                resp.force_close()
+
+            waiter.parked = False
+            respiter = self.wsgi(environ, resp.start_response)
+            try:
+                if waiter.parked:
+                    waiter.held = Held(req, resp, environ, list(respiter), started)
+                    return waiter
+                if isinstance(respiter, environ["wsgi.file_wrapper"]):
+                    resp.write_file(respiter)
+                else:
+                    for item in respiter:
+                        resp.write(item)
+                resp.close()
+            finally:
+                if not waiter.parked:
+                    self.log.access(resp, req, environ, datetime.now() - started)
+                if hasattr(respiter, "close"):
+                    respiter.close()
+            if resp.should_close():
+                self.log.debug("Closing connection.")
+                return False
+        except OSError:
+            util.reraise(*sys.exc_info())
+        except (Exception, SystemExit):
+            if resp and resp.headers_sent:
+                self.log.exception("Error handling request")
+                util.close_graceful(conn.sock)
+                raise StopIteration() from None
+            raise
+        finally:
+            if not waiter.parked:
+                try:
+                    self.cfg.post_request(self, req, environ, resp)
+                except Exception:
+                    self.log.exception("Exception in post_request hook")
+        return True
+
+    def _run_again(self, conn, waiter: Waiter):
+        """A parked claim, woken: run the view again (it may park once more)."""
+        return self._guarded(
+            conn,
+            waiter.held.req,
+            lambda: self._keepalive_after(
+                conn, self._serve(waiter.held.req, conn, waiter)
+            ),
+        )
+
+    def _answer_held(self, conn, waiter: Waiter):
+        """A parked claim whose wait is over: send the 204 its view answered."""
+
+        def send():
+            held = waiter.held
+            try:
+                for chunk in held.chunks:
+                    held.resp.write(chunk)
+                held.resp.close()
+            finally:
+                self.log.access(
+                    held.resp, held.req, held.environ, datetime.now() - held.started
+                )
+            return self._keepalive_after(conn, not held.resp.should_close())
+
+        return self._guarded(conn, waiter.held.req, send)
+
+    def _guarded(self, conn, req, work):
+        """``work()`` with the error handling of gunicorn's ``handle``."""
+        try:
+            conn.sock.setblocking(True)
+            return work()
+        except StopIteration as e:
+            self.log.debug("Closing connection. %s", e)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                self.log.exception("Socket error processing request.")
+        except Exception as e:
+            self.handle_error(req, conn.sock, conn.client, e)
+        return False
+
+    # --- Parked claims (on the main thread) -------------------------------------
+
+    def _park(self, conn, waiter: Waiter):
+        if not self.alive:
+            self._submit(conn, self._answer_held, conn, waiter)
+            return
+        conn.sock.setblocking(False)
+        self.parked[conn] = waiter
+        self.poller.register(
+            conn.sock, selectors.EVENT_READ, partial(self._on_parked_readable, conn)
+        )
+
+    def _unpark(self, conn) -> Waiter:
+        waiter = self.parked.pop(conn)
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            self.poller.unregister(conn.sock)  # unless the client sent more
+        return waiter
+
+    def _on_parked_readable(self, conn, sock):
+        """The client of a parked claim hung up (or sent more, which waits)."""
+        try:
+            gone = conn.sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, ValueError):
+            gone = True
+        if gone:
+            self._unpark(conn)
+            self.nr_conns -= 1
+            conn.close()
+            return
+        # A pipelined request: it is read after this claim is answered.
+        self.poller.unregister(conn.sock)
+
+    def wait_for_and_dispatch_events(self, timeout):
+        if self.parked:
+            now = time.monotonic()
+            soonest = min(w.deadline or now for w in self.parked.values())
+            if not self.probing:
+                soonest = min(soonest, self.next_probe)
+            timeout = min(timeout, max(soonest - now, 0.0))
+        super().wait_for_and_dispatch_events(timeout)
+        if self.parked:
+            self._tend_parked()
+
+    def _tend_parked(self):
+        """Answer the claims whose wait is over (all of them when stopping), and
+        start a probe when one is due."""
+        now = time.monotonic()
+        over = [
+            conn
+            for conn, waiter in self.parked.items()
+            if not self.alive or (waiter.deadline or now) <= now
+        ]
+        for conn in over:
+            waiter = self._unpark(conn)
+            self._submit(conn, self._answer_held, conn, waiter)
+        if self.parked and not self.probing and now >= self.next_probe:
+            self.probing = True
+            self.busy += 1
+            fs = self.tpool.submit(self._probe)
+            fs.add_done_callback(lambda fut: self.method_queue.defer(self._probed, fut))
+
+    def _probed(self, fs):
+        self.busy -= 1
+        self.probing = False
+        self.next_probe = time.monotonic() + self._probe_interval()
+        self.wake_budget = 0 if fs.cancelled() or fs.exception() else fs.result()
+        self._wake()
+        self._listen()
+
+    def _wake(self):
+        """Run parked claims again, oldest first, as many as the last probe
+        found work for, but leaving a thread free (one woken claim may always
+        run): a batch for hundreds of waiting workers must not queue
+        heartbeats behind it."""
+        while (
+            self.wake_budget > 0
+            and self.parked
+            and (not self.waking or self.busy < self.cfg.threads - 1)
+        ):
+            conn = next(iter(self.parked))
+            waiter = self._unpark(conn)
+            self.wake_budget -= 1
+            self.waking.add(conn)
+            self._submit(conn, self._run_again, conn, waiter)
+
+    def _probe(self) -> int:
+        """How many parked claims may find work (on a thread, with its database
+        connection). The server's processes share one answer per interval
+        through a locked file, so a server asks once, however many processes
+        hold claims."""
+        with open(probe_file(self.ppid), "a+b") as shared:
+            fcntl.flock(shared, fcntl.LOCK_EX)  # released when the file closes
+            shared.seek(0)
+            last = shared.read().split()
+            if len(last) == 2 and (
+                time.monotonic() - float(last[0]) < self._probe_interval() * 0.9
+            ):
+                return int(last[1])
+            found = self._ask_database()
+            if found is None:
+                return 0
+            shared.seek(0)
+            shared.truncate()
+            shared.write(f"{time.monotonic()} {found}".encode())
+            return found
+
+    def _ask_database(self) -> int | None:
+        from django.db import close_old_connections
+
+        from jobs.longpoll import claimable_jobs
+
+        close_old_connections()
+        try:
+            return claimable_jobs(self.worker_connections)
+        except Exception as error:
+            # The database may be down for a while: one line a minute, and the
+            # waiting claims get their 204 when their wait is over.
+            if time.monotonic() - self.probe_failure_logged >= 60:
+                self.probe_failure_logged = time.monotonic()
+                self.log.warning("long-poll probe failed (%r); trying again", error)
+            return None
+        finally:
+            close_old_connections()
+
+    def _probe_interval(self) -> float:
+        from django.conf import settings
+
+        return settings.RECALL_LONG_POLL_PROBE_SECONDS

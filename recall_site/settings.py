@@ -260,6 +260,11 @@ RECALL_RETRY_BACKOFF_MAX_SECONDS = env.int(
 # Live leases one worker (one token) may hold: a claim beyond it answers 429, so a
 # leaked token cannot drain the queue into leases that then expire.
 RECALL_MAX_LEASES_PER_WORKER = env.int("RECALL_MAX_LEASES_PER_WORKER", default=32)
+# Long-poll claims: how often each server process asks the database whether a
+# parked claim may find work (recall_site/gunicorn_worker.py), while any waits.
+RECALL_LONG_POLL_PROBE_SECONDS = env.float(
+    "RECALL_LONG_POLL_PROBE_SECONDS", default=0.25
+)
 # How many expired leases one claim reclaims before it looks for work.
 RECALL_RECLAIM_ON_CLAIM = env.int("RECALL_RECLAIM_ON_CLAIM", default=100)
 # Rows per transaction in the sweep and in bulk operations: keeps locks short.
@@ -362,6 +367,10 @@ for _name in (
         raise ImproperlyConfigured(f"{_name} must be at least 1.")
 if RECALL_RETRY_BACKOFF_SECONDS < 0:
     raise ImproperlyConfigured("RECALL_RETRY_BACKOFF_SECONDS must not be negative.")
+if not 0 < RECALL_LONG_POLL_PROBE_SECONDS <= 10:
+    raise ImproperlyConfigured(
+        "RECALL_LONG_POLL_PROBE_SECONDS must be above 0 and at most 10."
+    )
 
 # --- django-q2 (the scheduled sweeper) ----------------------------------------
 # The ORM broker on Recall's own database is the default; set RECALL_Q_REDIS_URL to

@@ -5,7 +5,11 @@ django-q2 cluster and many reference workers with short leases, on three
 batches of different weights (sizes in proportion) with one planted poison item
 (its engine kills the worker running it), and four small batches beside them.
 While it runs, it SIGKILLs random workers (and restarts them), SIGKILLs sweeps
-mid-pass and the django-q2 cluster, and crashes PostgreSQL once. Then it stops
+mid-pass and the django-q2 cluster, and crashes PostgreSQL once. With
+``--nodes N`` (N > 1) the web tier is N gunicorn masters on separate ports (one
+with its clock shifted by libfaketime), two django-q2 clusters run, the workers
+are spread across the nodes, and whole nodes are SIGKILLed and restarted on top
+of the rest. Then it stops
 the violence, lets leases expire and sweeps run, and checks:
 
 * ``recall_check`` passes (every invariant holds);
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import glob
 import hashlib
 import hmac
 import json
@@ -96,12 +101,15 @@ class Tally:
     worker_kills: int = 0
     sweep_kills: int = 0
     cluster_kills: int = 0
+    node_kills: int = 0
     db_restarts: int = 0
     errors: list[str] = field(default_factory=list)
 
     @property
     def kills(self) -> int:
-        return self.worker_kills + self.sweep_kills + self.cluster_kills
+        return (
+            self.worker_kills + self.sweep_kills + self.cluster_kills + self.node_kills
+        )
 
 
 class Receiver:
@@ -172,6 +180,7 @@ class Process:
     def __init__(self, name: str, argv: list[str], env: dict, log: Path):
         self.name, self.argv, self.env, self.log = name, argv, env, log
         self.popen: subprocess.Popen | None = None
+        self.port = 0  # a web node's
         self.start()
 
     def start(self) -> None:
@@ -314,30 +323,50 @@ def run(args: argparse.Namespace) -> int:
             .splitlines()[-1]
         )
 
-        web_env = {
-            **env,
-            "RECALL_BIND": f"127.0.0.1:{port}",
-            "WEB_CONCURRENCY": str(args.web_processes),
-            "RECALL_STARTUP_SWEEP": "quick",
-            "RECALL_ACCESS_LOG": str(work / "access.log"),
-        }
-        web = Process(
-            "gunicorn",
-            [PY, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-            web_env,
-            work / "gunicorn.log",
-        )
-        processes.append(web)
-        _wait_for(lambda: _up(port), 60, "gunicorn did not start")
-        cluster = Process(
-            "qcluster", [PY, "manage.py", "qcluster"], env, work / "qcluster.log"
-        )
-        processes.append(cluster)
+        nodes = []
+        for n in range(args.nodes):
+            node_port = port if n == 0 else free_port()
+            suffix = "" if n == 0 else f"-{n + 1}"
+            web_env = {
+                **env,
+                "RECALL_BIND": f"127.0.0.1:{node_port}",
+                "WEB_CONCURRENCY": str(args.web_processes),
+                "RECALL_STARTUP_SWEEP": "quick",
+                "RECALL_ACCESS_LOG": str(work / f"access{suffix}.log"),
+            }
+            if n == 1:  # the second node's clock is off: only the database's counts
+                web_env.update(_skewed_clock(args.node_skew))
+            node = Process(
+                f"gunicorn{suffix}",
+                [PY, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+                web_env,
+                work / f"gunicorn{suffix}.log",
+            )
+            node.port = node_port
+            nodes.append(node)
+            processes.append(node)
+        for node in nodes:
+            _wait_for(lambda node=node: _up(node.port), 60, "gunicorn did not start")
+        clusters = [
+            Process(
+                f"qcluster{'' if c == 0 else f'-{c + 1}'}",
+                [PY, "manage.py", "qcluster"],
+                env,
+                work / f"qcluster{'' if c == 0 else f'-{c + 1}'}.log",
+            )
+            for c in range(1 if args.nodes == 1 else 2)
+        ]
+        cluster = clusters[0]
+        processes.extend(clusters)
+        if args.nodes > 1:
+            print(
+                f"chaos: {args.nodes} web nodes on ports "
+                f"{', '.join(str(n.port) for n in nodes)} (node 2's clock "
+                f"{args.node_skew}), {len(clusters)} django-q2 clusters",
+                flush=True,
+            )
 
-        worker_env = {
-            "PATH": os.environ["PATH"],
-            "RECALL_URL": f"http://127.0.0.1:{port}",
-        }
+        worker_env = {"PATH": os.environ["PATH"]}
         engine = f"{PY} tests/chaos_engine.py {{source}}"
         workers = []
         for i, token in enumerate(tokens):
@@ -353,7 +382,12 @@ def run(args: argparse.Namespace) -> int:
                     "--retry-max",
                     "2",
                 ],
-                {**worker_env, "RECALL_TOKEN": token},
+                {
+                    **worker_env,
+                    "RECALL_TOKEN": token,
+                    # Spread across the nodes.
+                    "RECALL_URL": f"http://127.0.0.1:{nodes[i % len(nodes)].port}",
+                },
                 work / f"worker-{i}.log",
             )
             workers.append(worker)
@@ -368,8 +402,18 @@ def run(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         next_kill = started + rng.uniform(0.5, 1.5) * args.kill_every
+        next_node_kill = started + rng.uniform(0.5, 1.5) * args.node_kill_every
         cluster_killed = db_restarted = cancelled = False
         while (elapsed := time.monotonic() - started) < args.duration:
+            if len(nodes) > 1 and time.monotonic() >= next_node_kill:
+                node = rng.choice(nodes)  # a whole web node dies: master and all
+                node.kill()
+                tally.node_kills += 1
+                time.sleep(rng.uniform(0.5, 2.0))
+                node.start()
+                next_node_kill = (
+                    time.monotonic() + rng.uniform(0.5, 1.5) * args.node_kill_every
+                )
             if time.monotonic() >= next_kill:
                 victim = rng.choice(workers)
                 victim.kill()
@@ -392,6 +436,9 @@ def run(args: argparse.Namespace) -> int:
             for worker in workers:  # the poison item kills its worker: restart it
                 if not worker.alive():
                     worker.start()
+            for node in nodes:  # a node whose master died on its own comes back
+                if not node.alive():
+                    node.start()
             with contextlib.suppress(psycopg.Error):  # the database may be down
                 shares.sample(url)
             time.sleep(0.2)
@@ -551,15 +598,18 @@ def _verdict(
         if check.returncode == 0
         else max(1, len(check.stdout.strip().splitlines()) - 1)
     )
-    server_errors, unavailable = _http_errors(work / "access.log")
-    crashes = _count(work / "gunicorn.log", "Internal Server Error") + _count(
-        work / "gunicorn.log", "Traceback"
-    )
+    server_errors = unavailable = crashes = 0
+    for access_log in sorted(work.glob("access*.log")):
+        errors, documented = _http_errors(access_log)
+        server_errors, unavailable = server_errors + errors, unavailable + documented
+    for log in sorted(work.glob("gunicorn*.log")):
+        crashes += _count(log, "Internal Server Error") + _count(log, "Traceback")
     fivexx = server_errors + crashes
     webhooks, webhooks_ok = _webhook_figures(url, receiver)
     print(
         f"chaos: {len(statuses)} jobs, {tally.kills} kills ({tally.worker_kills} workers, "
-        f"{tally.sweep_kills} sweeps, {tally.cluster_kills} cluster), {reclaims} reclaims, "
+        f"{tally.sweep_kills} sweeps, {tally.cluster_kills} cluster"
+        f"{f', {tally.node_kills} nodes' if args.nodes > 1 else ''}), {reclaims} reclaims, "
         f"{tally.db_restarts} db restart, lost {lost}, duplicated {duplicated}, "
         f"mismatched {mismatched}, 5xx {fivexx} (and {unavailable} documented 503s), "
         f"poison {'failed as it should' if poison_ok else 'NOT failed: ' + str(statuses.get(POISON))}; "
@@ -638,6 +688,15 @@ def _count(path: Path, needle: str) -> int:
     return path.read_text(errors="replace").count(needle) if path.exists() else 0
 
 
+def _skewed_clock(offset: str) -> dict[str, str]:
+    """The environment that runs a process with its clock ``offset`` (libfaketime;
+    its monotonic clock is faked too, or ``time.sleep`` fails on Python 3.11)."""
+    library = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    if not library:
+        raise RuntimeError("--nodes needs libfaketime (Debian package faketime)")
+    return {"LD_PRELOAD": library[0], "FAKETIME": offset}
+
+
 def _up(port: int) -> bool:
     import urllib.request
 
@@ -685,7 +744,29 @@ def main(argv: list[str] | None = None) -> int:
         "--kill-every", type=float, default=3, help="mean seconds between worker kills"
     )
     parser.add_argument(
-        "--web-processes", type=int, default=3, help="gunicorn processes (default 3)"
+        "--web-processes",
+        type=int,
+        default=3,
+        help="gunicorn processes per node (default 3)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="web nodes: gunicorn masters on separate ports; more than 1 also "
+        "skews node 2's clock, runs two django-q2 clusters and kills nodes "
+        "(default 1)",
+    )
+    parser.add_argument(
+        "--node-kill-every",
+        type=float,
+        default=15,
+        help="mean seconds between web node kills, with --nodes > 1 (default 15)",
+    )
+    parser.add_argument(
+        "--node-skew",
+        default="+90s",
+        help="node 2's clock offset, libfaketime's FAKETIME (default +90s)",
     )
     parser.add_argument(
         "--webhook-fail-rate",
@@ -706,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", action="store_true", help="keep the work directory and its logs"
     )
     args = parser.parse_args(argv)
+    if args.nodes < 1:
+        parser.error("--nodes must be at least 1")
     if args.seed is None:
         args.seed = random.randrange(1_000_000)
     print(f"chaos: seed {args.seed}", flush=True)

@@ -23,7 +23,8 @@ pytestmark = [
 def test_a_short_chaos_run_loses_nothing_and_lies_about_nothing():
     result = subprocess.run(
         [sys.executable, "-m", "tests.chaos", "--duration", "45", "--workers", "6",
-         "--items", "400", "--lease", "3", "--kill-every", "3", "--drain", "120"],
+         "--items", "400", "--lease", "3", "--kill-every", "3", "--drain", "120",
+         "--nodes", "2", "--node-kill-every", "12"],
         cwd=ROOT, capture_output=True, text=True, timeout=420,
     )  # fmt: skip
 
@@ -52,3 +53,8 @@ def test_a_short_chaos_run_loses_nothing_and_lies_about_nothing():
     assert delivered == events == finished + failed
     kills = int(re.search(r"(\d+) kills", summary[0]).group(1))
     assert kills >= 10
+    # Two web nodes (one with its clock 90 s fast), two clusters, nodes killed.
+    assert "chaos: 2 web nodes on ports" in result.stdout
+    assert "2 django-q2 clusters" in result.stdout
+    node_kills = int(re.search(r"(\d+) nodes\)", summary[0]).group(1))
+    assert node_kills >= 1

@@ -32,11 +32,15 @@ APPLICATION = "recall-server-test"
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 
-def start_server(tmp_path, processes: int, threads: int, *args: str):
-    """gunicorn with gunicorn.conf.py (``args`` on top) on the test database."""
+def start_server(
+    tmp_path, processes: int, threads: int, *args: str, env: dict | None = None
+):
+    """gunicorn with gunicorn.conf.py (``args`` and ``env`` on top) on the test
+    database."""
     s = connection.settings_dict
     port = free_port()
     env = {
+        **(env or {}),
         "PATH": os.environ["PATH"],
         "SECRET_KEY": os.environ["SECRET_KEY"],
         # Named, to tell its connections from any other (a live server's).

@@ -17,8 +17,11 @@ Guarantees it keeps, and why:
 * Network errors, 5xx and 429 are retried with jittered exponential backoff;
   a completion is retried until the server answers 200 or 409 (completing is
   idempotent for the same lease token, so a lost response costs nothing).
-* An empty queue (204) is polled with jittered backoff up to a cap, so a fleet
-  of idle workers does not hammer the server.
+* An idle worker long-polls: each claim asks the server to wait up to
+  ``--wait-seconds`` for work, so a new batch is picked up within a second. A
+  server that answers an empty queue (204) sooner than that (an older server,
+  or one that cannot hold requests) is polled with jittered backoff up to a
+  cap, so a fleet of idle workers does not hammer it.
 """
 
 from __future__ import annotations
@@ -1101,6 +1104,7 @@ class Settings:
     poll_min: float = 1.0
     poll_max: float = 30.0
     http_timeout: float = 30.0
+    wait_seconds: float = 25.0
     source_root: SourceRoot | None = None
 
 
@@ -1149,17 +1153,20 @@ class Slot(threading.Thread):
     def claim(self) -> Job | None:
         """The next job, or None once stopping.
 
-        An empty queue (204) is polled with jittered backoff up to --poll-max,
-        and so is a claim the server refused for a reason no retry inside
-        ``Api.call`` could fix; the pause resets once work arrives.
+        Each claim asks the server to hold it up to --wait-seconds while the
+        queue is empty (a long-poll); an empty answer after such a wait is
+        followed by the next claim at once. An empty queue answered sooner (a
+        server that does not wait) is polled with jittered backoff up to
+        --poll-max, and so is a claim the server refused for a reason no retry
+        inside ``Api.call`` could fix; the pause resets once work arrives.
         """
+        wait = self.settings.wait_seconds
         empty = 0
         pauses = 0
         while not self.shutdown.requested:
+            started = time.monotonic()
             try:
-                status, payload = self.api.call(
-                    "/claim", {}, what="claim", give_up=lambda: self.shutdown.requested
-                )
+                status, payload = self._claim_call(wait)
             except GaveUp:
                 return None
             except (LeaseLost, Rejected) as error:
@@ -1171,9 +1178,14 @@ class Slot(threading.Thread):
                     empty += 1
                     if empty == 1:
                         log.info(
-                            "queue empty; polling with backoff up to %gs",
+                            "queue empty; waiting up to %gs per claim, polling "
+                            "with backoff up to %gs if the server answers sooner",
+                            wait,
                             self.settings.poll_max,
                         )
+                    if wait and time.monotonic() - started >= wait / 2:
+                        pauses = 0  # the server held the claim: ask again now
+                        continue
                 else:
                     try:
                         job = Job.from_claim(payload)
@@ -1189,6 +1201,43 @@ class Slot(threading.Thread):
             )
             pause(delay, lambda: self.shutdown.requested)
         return None
+
+    def _claim_call(self, wait: float) -> tuple[int, dict | None]:
+        """One claim, with its retries. A long-poll runs on a helper thread so
+        that a signal stops an idle worker at once: the slot gives up, the
+        process exits, its connection closes, and the server drops the waiting
+        claim without leasing anything."""
+
+        def stopping() -> bool:
+            return self.shutdown.requested
+
+        if not wait:
+            return self.api.call("/claim", {}, what="claim", give_up=stopping)
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append(
+                    self.api.call(
+                        "/claim",
+                        {"wait_seconds": wait},
+                        what="claim",
+                        give_up=stopping,
+                        timeout=wait + self.settings.http_timeout,
+                    )
+                )
+            except BaseException as error:  # handed to the slot below
+                outcome.append(error)
+
+        helper = threading.Thread(target=run, name=f"{self.name}-claim", daemon=True)
+        helper.start()
+        while helper.is_alive():
+            helper.join(0.2)
+            if self.shutdown.requested and helper.is_alive():
+                raise GaveUp("stopping while the server holds a claim")
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     def adopt(self, job: Job) -> Job | None:
         REDACTOR.add(job.lease_token)  # never in a log line, from here on
@@ -1508,6 +1557,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _wait_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 60, not {text!r}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value < 0:
@@ -1662,6 +1718,15 @@ def build_parser() -> argparse.ArgumentParser:
         "[env RECALL_WORKER_POLL_MAX]",
     )
     add(
+        "--wait-seconds",
+        type=_wait_seconds,
+        default=_env("RECALL_WORKER_WAIT_SECONDS", "25"),
+        metavar="SECONDS",
+        help="how long the server may hold a claim while the queue is empty "
+        "(0 to 60, default 25; 0: poll with backoff only) "
+        "[env RECALL_WORKER_WAIT_SECONDS]",
+    )
+    add(
         "--retry-max",
         type=_positive_float,
         default=_env("RECALL_WORKER_RETRY_MAX", "30"),
@@ -1756,6 +1821,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_min=args.poll_min,
         poll_max=args.poll_max,
         http_timeout=args.http_timeout,
+        wait_seconds=args.wait_seconds,
         source_root=SourceRoot(args.source_root) if args.source_root else None,
     )
     api = Api(args.url, token, timeout=args.http_timeout, retry_cap=args.retry_max)

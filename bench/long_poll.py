@@ -1,0 +1,147 @@
+"""A fleet of idle workers long-polling the real server, in one process.
+
+Each simulated worker behaves like the reference worker (worker/recall_worker.py)
+between jobs with ``--wait-seconds``: it claims with ``{"wait_seconds": W}``;
+on 204 it claims again at once (the server held it); on a job it reports the
+claim to the benchmark, then heartbeats the lease every ``heartbeat_interval``
+(from the claim) until the run ends. A few more workers hold a lease from the
+start and heartbeat it every ``interval`` seconds throughout. The workers start
+over ``spread`` seconds, as a fleet does, not in one instant. Every call is a
+new HTTP connection, as urllib makes them. It runs in a process of its own
+(asyncio, no threads), so its CPU is not the server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import random
+import time
+
+
+class LongPollFleet:
+    """Start, count claims sent, hear of claims, stop and collect heartbeats."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tokens: list[str],
+        leases: list[tuple[str, int, str]],
+        *,
+        wait: float,
+        interval: float,
+        spread: float,
+    ):
+        context = multiprocessing.get_context("spawn")
+        self.polls = context.Value("q", 0)
+        self.errors = context.Value("q", 0)
+        self.claims = context.Queue()
+        self.beats = context.Queue()
+        self.stop_event = context.Event()
+        self.go = context.Event()  # the waiting workers start (the beaters at once)
+        self.process = context.Process(
+            target=_main,
+            args=(host, port, tokens, leases, wait, interval, spread),
+            kwargs={
+                "polls": self.polls,
+                "errors": self.errors,
+                "claims": self.claims,
+                "beats": self.beats,
+                "stop": self.stop_event,
+                "go": self.go,
+            },
+            daemon=True,
+        )
+
+    def start(self) -> None:
+        self.process.start()
+
+    def next_claim(self, timeout: float) -> tuple[float, int]:
+        """(time.time() when the claim answered, job id) of the next claim."""
+        return self.claims.get(timeout=timeout)
+
+    def stop(self) -> list[tuple[float, float]]:
+        """Stop; every heartbeat's (time.time() when sent, latency in seconds)."""
+        self.stop_event.set()
+        latencies = self.beats.get(timeout=120)
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+        return latencies
+
+
+def _main(host, port, tokens, leases, wait, interval, spread, **shared):
+    asyncio.run(_fleet(host, port, tokens, leases, wait, interval, spread, **shared))
+
+
+async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
+    polls, errors, claims = shared["polls"], shared["errors"], shared["claims"]
+    beats, stop, go = shared["beats"], shared["stop"], shared["go"]
+    latencies: list[tuple[float, float]] = []
+
+    async def post(token: str, path: str, body: dict, timeout: float = 60):
+        data = json.dumps(body).encode()
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
+                f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+                + data
+            )
+            await writer.drain()
+            response = await asyncio.wait_for(reader.read(), timeout=timeout)
+        finally:
+            writer.close()
+        head, _, payload = response.partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), payload
+
+    async def heartbeat(token: str, job_id: int, lease_token: str, every: float):
+        while not stop.is_set():
+            sent, started = time.time(), time.monotonic()
+            try:
+                status, _ = await post(
+                    token,
+                    f"/api/v1/jobs/{job_id}/heartbeat",
+                    {"lease_token": lease_token},
+                )
+            except (TimeoutError, OSError, ValueError, IndexError):
+                status = 0
+            latencies.append((sent, time.monotonic() - started))
+            if status != 200:
+                errors.value += 1
+            await asyncio.sleep(every)
+
+    async def worker(token: str) -> None:
+        while not go.is_set():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(random.uniform(0, spread))  # a fleet starts over time
+        while not stop.is_set():
+            try:
+                status, payload = await post(
+                    token, "/api/v1/claim", {"wait_seconds": wait}, timeout=wait + 30
+                )
+            except (TimeoutError, OSError, ValueError, IndexError):
+                status, payload = 0, b""
+            polls.value += 1
+            if status == 200:
+                job = json.loads(payload)["job"]
+                claims.put((time.time(), job["id"]))
+                await heartbeat(
+                    token, job["id"], job["lease_token"], job["heartbeat_interval"]
+                )
+                return
+            if status != 204:
+                errors.value += 1
+                await asyncio.sleep(1)
+
+    tasks = [asyncio.create_task(heartbeat(*lease, interval)) for lease in leases]
+    tasks += [asyncio.create_task(worker(token)) for token in tokens]
+    while not stop.is_set():
+        await asyncio.sleep(0.2)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    beats.put(latencies)

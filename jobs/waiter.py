@@ -1,0 +1,54 @@
+"""Long-poll claims: the hand-over between the claim view and the server.
+
+A claim may ask to wait (``{"wait_seconds": N}``) when nothing is claimable.
+The server, not the view, does the waiting: the claim view tries once and, if
+the server offered a ``Waiter`` (``request.META[WAITER_KEY]``, set by the
+gthread worker in ``recall_site/gunicorn_worker.py``), hands the request back
+to it with ``Waiter.park``. The server then holds the connection in its event
+loop (no thread, no database connection) and tries the claim again when its
+one probe per process (``jobs.longpoll.claimable_jobs``) says a job may be
+claimable, or answers the 204 it kept when the wait is over. A server without
+a waiter (``runserver``, the sync worker, the test client) answers at once, as
+before. No Django imports: gunicorn's master loads this with the worker class.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+WAITER_KEY = "recall.waiter"
+MAX_WAIT_SECONDS = 60
+# A wait with less than this left is over: answering beats parking for a blink.
+MIN_PARK_SECONDS = 0.05
+
+
+class Waiter:
+    """One claim request the server can hold without a thread.
+
+    The server makes one per request and offers it to the view in the WSGI
+    environ; the view parks it (``park``) when nothing is claimable and the
+    request asked to wait. The server reads ``parked`` after the view returns.
+    """
+
+    def __init__(self, started: float | None = None) -> None:
+        self.started = time.monotonic() if started is None else started
+        self.deadline: float | None = None
+        self.parked = False
+        self.body = b""
+        # The server's own state for this request (its parsed request, the
+        # response kept for the deadline); the view never reads it.
+        self.held: Any = None
+
+    def park(self, wait_seconds: float, body: bytes) -> bool:
+        """Hold this request until a job may be claimable or ``wait_seconds``
+        (counted from the request's arrival) have passed; False when the wait
+        is already over and the view should answer now."""
+        if wait_seconds <= 0:
+            return False
+        if self.deadline is None:
+            self.deadline = self.started + wait_seconds
+        if self.deadline - time.monotonic() < MIN_PARK_SECONDS:
+            return False
+        self.body, self.parked = body, True
+        return True
