@@ -588,13 +588,14 @@ def batch_export(request: HttpRequest, pk: int, fmt: str) -> HttpResponseBase:
     if fmt not in EXPORTS:
         raise Http404("No such export format.")
     batch = get_object_or_404(Batch, pk=pk)
-    response = export_response(batch, fmt)
-    if response is None:
-        response = render(
-            request,
-            "batches/export_busy.html",
-            {"batch": batch, "limit": settings.RECALL_EXPORTS_PER_PROCESS},
-            status=503,
-        )
-        response["Retry-After"] = "30"
+    streaming = export_response(batch, fmt)
+    if streaming is not None:
+        return streaming
+    response = render(
+        request,
+        "batches/export_busy.html",
+        {"batch": batch, "limit": settings.RECALL_EXPORTS_PER_PROCESS},
+        status=503,
+    )
+    response["Retry-After"] = "30"
     return response
