@@ -159,9 +159,20 @@ def item_json(item: BatchItem) -> dict:
 # --- Reading query parameters ------------------------------------------------------
 
 
+def _only(request: HttpRequest, *names: str) -> None:
+    """Refuse query parameters the endpoint does not know (a typo would
+    otherwise silently list everything)."""
+    unknown = sorted(set(request.GET) - set(names))
+    if unknown:
+        raise bad_request(
+            f"Unknown query parameter(s) {', '.join(repr(u) for u in unknown)}; "
+            f"use {', '.join(names)}."
+        )
+
+
 def _cursor(request: HttpRequest) -> int | None:
-    value = request.GET.get("cursor", "")
-    if not value:
+    value = request.GET.get("cursor")
+    if value is None:
         return None
     if not value.isascii() or not value.isdigit() or int(value) > MAX_DB_ID:
         raise bad_request("'cursor' must be a next_cursor this API returned.")
@@ -169,8 +180,8 @@ def _cursor(request: HttpRequest) -> int | None:
 
 
 def _limit(request: HttpRequest) -> int:
-    value = request.GET.get("limit", "")
-    if not value:
+    value = request.GET.get("limit")
+    if value is None:
         return PAGE_SIZE
     if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= PAGE_SIZE:
         raise bad_request(f"'limit' must be a whole number from 1 to {PAGE_SIZE}.")
@@ -178,10 +189,10 @@ def _limit(request: HttpRequest) -> int:
 
 
 def _choice(request: HttpRequest, name: str, choices: tuple[str, ...]) -> str:
-    value = request.GET.get(name, "")
-    if value and value not in choices:
+    value = request.GET.get(name)
+    if value is not None and value not in choices:
         raise bad_request(f"{name!r} must be one of {', '.join(choices)}.")
-    return value
+    return value or ""
 
 
 def _batch(batch_id: int) -> Batch:
@@ -206,6 +217,7 @@ def batches(request: HttpRequest) -> HttpResponseBase:
 
 @operator_endpoint("GET", READ)
 def batch_list(request: HttpRequest, user, *, now: datetime) -> HttpResponse:
+    _only(request, "state", "cursor", "limit")
     state = _choice(request, "state", BatchState.ALL)
     cursor, limit = _cursor(request), _limit(request)
     rows: QuerySet[Batch] = Batch.objects.order_by("-pk")
@@ -316,6 +328,7 @@ def batch_detail(
 def batch_items(
     request: HttpRequest, user, *, now: datetime, batch_id: int
 ) -> HttpResponse:
+    _only(request, "state", "cursor", "limit")
     batch = _batch(batch_id)
     state = _choice(request, "state", tuple(ItemStatus.values))
     cursor, limit = _cursor(request), _limit(request)
@@ -410,6 +423,13 @@ def batch_retry(
     request: HttpRequest, user, *, now: datetime, batch_id: int
 ) -> HttpResponse:
     body = json_object_body(request)
+    # A misspelt filter must not retry every failed item.
+    unknown = sorted(set(body) - {"source_contains"})
+    if unknown:
+        raise bad_request(
+            f"Unknown field(s) {', '.join(repr(u) for u in unknown)}; a retry "
+            f"takes only 'source_contains'."
+        )
     search = field(body, "source_contains", str, required=False, default="").strip()
     if len(search) > MAX_SEARCH_CHARS:
         raise bad_request(

@@ -2,7 +2,8 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from jobs import api, openapi, overview, views
+from jobs import api, overview, views
+from operator_api import openapi
 from operator_api import pages as token_pages
 from operator_api import views as operator_api
 
