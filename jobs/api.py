@@ -22,7 +22,14 @@ from django.views.decorators.csrf import csrf_exempt
 
 from . import transitions
 from .exceptions import LeaseLost
-from .jsonapi import ApiError, bad_request, error_response, field, json_object_body
+from .jsonapi import (
+    ApiError,
+    bad_request,
+    error_response,
+    field,
+    json_object_body,
+)
+from .jsonapi import _check_values as _check_values  # the reference worker's tests
 from .metrics import observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH

@@ -53,9 +53,13 @@ def _error(response, status: int, code: str) -> dict:
 
 
 def _call(api: ApiClient, method: str, path: str, body, **kwargs):
-    if method == "GET":
-        return api.get(path, **kwargs)
-    return api.post(path, body, **kwargs)
+    response = (
+        api.get(path, **kwargs) if method == "GET" else api.post(path, body, **kwargs)
+    )
+    if response.streaming:
+        # Read to the end, as a client does: the export's slot is given back.
+        b"".join(response.streaming_content)
+    return response
 
 
 @pytest.mark.parametrize("role", ["stranger", "viewer", "operator", "admin"])
