@@ -28,6 +28,8 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
+from jobs.models import Job, JobStatus
+
 from .models import Batch, BatchCounter, BatchMinute, ItemStatus
 
 # The ETA's rate is measured over this recent window.
@@ -242,8 +244,6 @@ def progress_for_many(
     batches: list[Batch], *, now: datetime, chart: bool = False
 ) -> dict[int, Progress]:
     """Progress of several batches in three or four queries in all."""
-    from jobs.models import Job, JobStatus
-
     ids = [b.pk for b in batches]
     counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     columns = [
@@ -383,8 +383,6 @@ def _state_inputs(batches: QuerySet, now: datetime) -> QuerySet:
     heartbeat of a live lease, or a finished item, within the stall window).
     Each is an index probe per batch; the probes for recent activity stop at
     the first match."""
-    from jobs.models import Job, JobStatus
-
     cutoff = now - timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
     counters = BatchCounter.objects.filter(batch=OuterRef("pk")).values("batch")
     heartbeat = Job.objects.filter(

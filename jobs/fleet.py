@@ -154,7 +154,7 @@ def seen_recently() -> timedelta:
     worker polls an empty queue at least every 30 s (``--poll-max``); a worker
     that was silent for a whole lease would have lost any lease it held.
     ``last_seen`` is written at most every ``Worker.LAST_SEEN_RESOLUTION``
-    (15 s), so that much slack is added: 75 s with the default 60 s leases.
+    (60 s), so that much slack is added: 120 s with the default 60 s leases.
     """
     return timedelta(seconds=settings.RECALL_LEASE_SECONDS) + (
         Worker.LAST_SEEN_RESOLUTION

@@ -67,7 +67,9 @@ def json_object_body(request: HttpRequest) -> dict:
             "payload_too_large",
             f"The body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes.",
         ) from None
-    if not raw.strip():
+    if not raw:
+        # No body at all is {}; whitespace alone is not JSON (its schema
+        # says so, and a body that is there must be an object).
         return {}
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)

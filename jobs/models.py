@@ -77,8 +77,10 @@ class Worker(models.Model):
     a token can be found without scanning every worker (``jobs.tokens``).
     """
 
-    # Don't write last_seen on every request: once per this many seconds is enough.
-    LAST_SEEN_RESOLUTION = timedelta(seconds=15)
+    # Don't write last_seen on every request: once a minute is enough. An idle
+    # worker polls every 15 to 30 s; writing on each poll was a quarter of an
+    # idle fleet's server CPU (BENCHMARKS.md, row 14).
+    LAST_SEEN_RESOLUTION = timedelta(seconds=60)
 
     name = models.CharField(max_length=100, unique=True)
     token_prefix = models.CharField(max_length=TOKEN_PREFIX_LENGTH, db_index=True)

@@ -93,6 +93,16 @@ def test_claim_accepts_an_empty_body(api):
     assert api.post("/api/v1/claim", raw=b"").status_code == 200
 
 
+def test_a_body_of_whitespace_alone_is_not_json(api):
+    make_batch(1)
+
+    response = api.post("/api/v1/claim", raw=b" \n")
+
+    assert response.status_code == 400
+    assert response.json()["error"] == "bad_request"
+    assert Job.objects.filter(status="leased").count() == 0
+
+
 def test_heartbeat_complete_fail_release_shapes(api):
     make_batch(4)
     first = _claimed(api)

@@ -164,8 +164,8 @@ def test_every_database_figure_at_one_moment(settings):
     )
     claim(busy, T0)  # the old batch's first job, held from now on
     now = later(30)
-    Worker.objects.filter(pk=idle.pk).update(last_seen=now - timedelta(seconds=70))
-    Worker.objects.filter(pk=silent.pk).update(last_seen=now - timedelta(seconds=80))
+    Worker.objects.filter(pk=idle.pk).update(last_seen=now - timedelta(seconds=110))
+    Worker.objects.filter(pk=silent.pk).update(last_seen=now - timedelta(seconds=130))
     Worker.objects.filter(pk=disabled.pk).update(last_seen=now, is_active=False)
 
     figures = scrape(now)
