@@ -266,16 +266,18 @@ def _duration(text: str) -> tuple[int | None, str | None]:
         seconds = float(text)
     except ValueError:
         return None, f"duration_seconds {text.strip()!r} is not a number"
+    return _duration_ms(seconds, text.strip())
+
+
+def _duration_ms(seconds: float, shown: str) -> tuple[int | None, str | None]:
+    """A duration in seconds as milliseconds, or why it cannot be one."""
     if not math.isfinite(seconds) or seconds < 0:
         return (
             None,
-            f"duration_seconds {text.strip()!r} must be a number of seconds, 0 or more",
+            f"duration_seconds {shown!r} must be a number of seconds, 0 or more",
         )
     if seconds > MAX_DURATION_SECONDS:
-        return (
-            None,
-            f"duration_seconds {text.strip()!r} is more than {MAX_DURATION_SECONDS}",
-        )
+        return (None, f"duration_seconds {shown!r} is more than {MAX_DURATION_SECONDS}")
     return round(seconds * 1000), None
 
 
@@ -359,6 +361,139 @@ def _item_rows(entries: Iterable[Entry | LineError]) -> Iterator[ItemRow]:
         if isinstance(entry, LineError):  # the file changed since validation
             raise ManifestInvalid([entry])
         yield entry.source, entry.params, entry.duration_ms
+
+
+# --- Items given as data (the operator API) ------------------------------------------
+
+ITEM_FIELDS = frozenset({"source", "duration_seconds", "params"})
+MAX_PARAM_NAME_CHARS = 200
+
+
+@dataclass(frozen=True)
+class ItemError:
+    """What is wrong with ``items[index]`` (``index`` None: with the list)."""
+
+    index: int | None
+    message: str
+
+    def __str__(self) -> str:
+        return (
+            self.message
+            if self.index is None
+            else f"items[{self.index}]: {self.message}"
+        )
+
+
+@dataclass
+class ItemsInvalid(Exception):
+    errors: list[ItemError]
+    total_errors: int
+
+    def __str__(self) -> str:
+        return "; ".join(str(e) for e in self.errors)
+
+
+def item_entry(index: int, item: object) -> Entry | ItemError:
+    """One item of a submission (``{"source", "duration_seconds"?, "params"?}``)
+    checked by the manifest's rules: the same sources, durations and params."""
+    if not isinstance(item, dict):
+        return ItemError(index, "an item must be an object with a 'source'")
+    unknown = sorted(set(item) - ITEM_FIELDS)
+    if unknown:
+        return ItemError(
+            index,
+            f"unknown field(s) {', '.join(repr(u) for u in unknown)}; an item has "
+            f"'source', 'duration_seconds' and 'params'",
+        )
+    source = item.get("source")
+    if not isinstance(source, str):
+        return ItemError(index, "'source' must be a string")
+    source = source.strip()
+    if problem := _source_problem(source):
+        return ItemError(index, problem)
+    duration_ms = None
+    seconds = item.get("duration_seconds")
+    if seconds is not None:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            return ItemError(index, "'duration_seconds' must be a number or null")
+        duration_ms, problem = _duration_ms(float(seconds), str(seconds))
+        if problem:
+            return ItemError(index, problem)
+    params = item.get("params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        return ItemError(index, "'params' must be an object")
+    for name, value in params.items():
+        if not name or len(name) > MAX_PARAM_NAME_CHARS:
+            return ItemError(
+                index, f"a param's name must be 1 to {MAX_PARAM_NAME_CHARS} characters"
+            )
+        if isinstance(value, str):
+            if len(value) > MAX_PARAM_CHARS:
+                return ItemError(
+                    index,
+                    f"param {name!r} has more than {MAX_PARAM_CHARS} characters",
+                )
+        elif value is None or isinstance(value, dict | list):
+            return ItemError(
+                index, f"param {name!r} must be a string, a number or a boolean"
+            )
+    return Entry(index, source, params, duration_ms)
+
+
+def validate_items(items: list) -> tuple[list[Entry], list[ItemError], int]:
+    """Every item checked: (entries, the first errors, how many errors in all),
+    with the manifest's limit on the number of items."""
+    entries: list[Entry] = []
+    errors: list[ItemError] = []
+    total = 0
+    limit = settings.RECALL_MAX_MANIFEST_ITEMS
+    if len(items) > limit:
+        return (
+            [],
+            [ItemError(None, f"there are {len(items)} items; the limit is {limit}")],
+            1,
+        )
+    for index, item in enumerate(items):
+        parsed = item_entry(index, item)
+        if isinstance(parsed, ItemError):
+            total += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append(parsed)
+        else:
+            entries.append(parsed)
+    if not items:
+        total, errors = 1, [ItemError(None, "the batch has no items")]
+    return entries, errors, total
+
+
+def create_batch_from_items(
+    name: str,
+    items: list,
+    *,
+    priority: int = 0,
+    weight: int = 1,
+    max_in_flight: int | None = None,
+    created_by=None,
+    now=None,
+) -> Batch:
+    """Like ``create_batch``, from items given as data. Raises ManifestInvalid
+    (the name) or ItemsInvalid (every bad item, by index), having created
+    nothing."""
+    name = check_name(name)
+    entries, errors, total = validate_items(items)
+    if errors:
+        raise ItemsInvalid(errors, total)
+    return transitions.create_batch(
+        name=name,
+        items=((e.source, e.params, e.duration_ms) for e in entries),
+        priority=priority,
+        weight=weight,
+        max_in_flight=max_in_flight,
+        created_by=created_by,
+        now=now,
+    )
 
 
 def file_lines(path: str) -> Callable[[], Iterator[bytes]]:

@@ -10,7 +10,6 @@ refreshing script only swaps fragments.
 from __future__ import annotations
 
 import io
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +26,6 @@ from django.http import (
     HttpRequest,
     HttpResponse,
     JsonResponse,
-    StreamingHttpResponse,
 )
 from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
@@ -46,7 +44,6 @@ from jobs.models import (
     WebhookEventType,
 )
 
-from . import exports
 from .background import stale_after, start_intake
 from .forms import ItemFilterForm, NewBatchForm, ShareForm
 from .intake import LineError, ManifestInvalid, create_batch
@@ -62,6 +59,7 @@ from .progress import (
     progress_for_many,
 )
 from .roles import viewer_required
+from .streaming import EXPORTS, export_response
 from .uploads import ManifestSizeLimit, ManifestTooLarge
 
 ITEMS_PER_PAGE = 50
@@ -607,56 +605,6 @@ def batch_retry(request: HttpRequest, batch: Batch) -> None:
 
 # --- Exports -------------------------------------------------------------------------
 
-EXPORTS = {
-    "csv": ("text/csv; charset=utf-8", exports.csv_lines),
-    "jsonl": ("application/x-ndjson; charset=utf-8", exports.jsonl_lines),
-    "zip": ("application/zip", exports.transcripts_zip),
-}
-
-
-class ExportSlots:
-    """How many exports this process streams at once: at most
-    RECALL_EXPORTS_PER_PROCESS, so its other threads stay free for the worker
-    API whatever operators export (a million items stream for about a minute)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.in_use = 0
-
-    def take(self) -> bool:
-        limit = settings.RECALL_EXPORTS_PER_PROCESS
-        with self._lock:
-            if limit and self.in_use >= limit:
-                return False
-            self.in_use += 1
-            return True
-
-    def give_back(self) -> None:
-        with self._lock:
-            self.in_use -= 1
-
-
-EXPORT_SLOTS = ExportSlots()
-
-
-class _Streaming:
-    """An export's chunks; its slot is given back once, when the response is
-    closed (the server closes it at the end, and when the client goes away)."""
-
-    def __init__(self, chunks, slots: ExportSlots):
-        self.chunks, self.slots, self.open = chunks, slots, True
-
-    def __iter__(self):
-        return iter(self.chunks)
-
-    def close(self) -> None:
-        if self.open:
-            self.open = False
-            close = getattr(self.chunks, "close", None)
-            if close is not None:
-                close()
-            self.slots.give_back()
-
 
 @require_GET
 @login_required
@@ -665,24 +613,14 @@ def batch_export(request: HttpRequest, pk: int, fmt: str) -> HttpResponseBase:
     if fmt not in EXPORTS:
         raise Http404("No such export format.")
     batch = get_object_or_404(Batch, pk=pk)
-    content_type, generate = EXPORTS[fmt]
-    name = f"batch-{batch.pk}-{'transcripts' if fmt == 'zip' else 'items'}.{fmt}"
-    response: HttpResponseBase
-    if not EXPORT_SLOTS.take():
-        response = render(
-            request,
-            "batches/export_busy.html",
-            {"batch": batch, "limit": settings.RECALL_EXPORTS_PER_PROCESS},
-            status=503,
-        )
-        response["Retry-After"] = "30"
-        return response
-    try:
-        chunks = _Streaming(generate(batch), EXPORT_SLOTS)
-    except BaseException:
-        EXPORT_SLOTS.give_back()
-        raise
-    response = StreamingHttpResponse(chunks, content_type=content_type)
-    response["Content-Disposition"] = f'attachment; filename="{name}"'
-    response["Cache-Control"] = "no-store"
+    streaming = export_response(batch, fmt)
+    if streaming is not None:
+        return streaming
+    response = render(
+        request,
+        "batches/export_busy.html",
+        {"batch": batch, "limit": settings.RECALL_EXPORTS_PER_PROCESS},
+        status=503,
+    )
+    response["Retry-After"] = "30"
     return response

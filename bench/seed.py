@@ -39,9 +39,10 @@ ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weig
 
 
 def reset() -> None:
-    """Empty every batch, item, job, ledger and event row, the intakes and the
-    webhook outbox (workers stay)."""
+    """Empty every batch, item, job, ledger and event row, the intakes, the
+    webhook outbox and the submissions' idempotency keys (workers stay)."""
     from batches.intakes import Intake, IntakeChunk
+    from operator_api.models import IdempotencyKey
 
     outbox = (WebhookAttempt, WebhookDelivery, WebhookEvent)
     tables = [
@@ -55,6 +56,7 @@ def reset() -> None:
             BatchCounter,
             IntakeChunk,
             Intake,
+            IdempotencyKey,
         )
     ] + [BatchItem._meta.db_table, Batch._meta.db_table]
     with connection.cursor() as cursor:

@@ -9,7 +9,6 @@ A request's time is the database's, read with the worker's token.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable
@@ -18,12 +17,20 @@ from functools import wraps
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import transitions
 from .exceptions import LeaseLost
+from .jsonapi import (
+    ApiError,
+    bad_request,
+    error_response,
+    field,
+    json_object_body,
+    json_type,
+)
+from .jsonapi import _check_values as _check_values  # the reference worker's tests
 from .metrics import observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
@@ -36,35 +43,6 @@ MAX_DB_ID = 2**63 - 1
 # Segment times are seconds of audio: about 115 days is the most that makes sense
 # (and keeps every export's arithmetic far from overflowing).
 MAX_SEGMENT_SECONDS = 10_000_000
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, code: str, detail: str, headers: dict | None = None
-    ):
-        super().__init__(detail)
-        self.status, self.code, self.detail, self.headers = (
-            status,
-            code,
-            detail,
-            headers or {},
-        )
-
-    def response(self) -> JsonResponse:
-        return error_response(self.status, self.code, self.detail, self.headers)
-
-
-def error_response(
-    status: int, code: str, detail: str, headers: dict | None = None
-) -> JsonResponse:
-    response = JsonResponse({"error": code, "detail": detail}, status=status)
-    for name, value in (headers or {}).items():
-        response[name] = value
-    return response
-
-
-def bad_request(detail: str) -> ApiError:
-    return ApiError(400, "bad_request", detail)
 
 
 def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -121,94 +99,8 @@ def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
     return worker, now
 
 
-def json_object_body(request: HttpRequest) -> dict:
-    """The body as a JSON object ({} when empty), free of NUL and lone surrogates."""
-    try:
-        raw = request.body
-    except RequestDataTooBig:
-        raise ApiError(
-            413,
-            "payload_too_large",
-            f"The body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes.",
-        ) from None
-    if not raw:
-        # No body at all is {}; whitespace alone is not JSON (its schema
-        # says so, and a body that is there must be an object).
-        return {}
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except UnicodeDecodeError:
-        raise bad_request("The body is not valid UTF-8.") from None
-    except RecursionError:
-        raise bad_request("The body is nested too deeply.") from None
-    except ValueError as error:
-        raise bad_request(f"The body is not valid JSON: {error}.") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"The body must be a JSON object, not {_json_type(data)}.")
-    _check_values(data)
-    return data
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _check_values(data: Any) -> None:
-    """Refuse NUL characters, unpaired surrogates and numbers too large to be
-    finite (``1e400`` parses as infinity) anywhere in the document: the database
-    cannot store them."""
-    stack = [data]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise bad_request("Numbers must be finite (this one overflows).")
-        elif isinstance(value, str):
-            if "\x00" in value:
-                raise bad_request("Strings must not contain NUL (\\u0000) characters.")
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad_request(
-                    "Strings must not contain unpaired surrogates."
-                ) from None
-
-
-def _json_type(value: Any) -> str:
-    return {
-        dict: "an object",
-        list: "an array",
-        str: "a string",
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
-
-
-def _field(
-    body: dict, name: str, kind: type, *, required: bool = True, default: Any = None
-):
-    if name not in body:
-        if required:
-            raise bad_request(f"Missing field {name!r}.")
-        return default
-    value = body[name]
-    # bool is an int in Python: never accept one for the other.
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        expected = {str: "a string", bool: "a boolean", dict: "an object"}[kind]
-        raise bad_request(
-            f"Field {name!r} must be {expected}, not {_json_type(value)}."
-        )
-    return value
-
-
 def _lease_token(body: dict) -> str:
-    token = _field(body, "lease_token", str)
+    token = field(body, "lease_token", str)
     if not token or len(token) > MAX_TOKEN_LENGTH:
         raise bad_request(
             f"Field 'lease_token' must be 1 to {MAX_TOKEN_LENGTH} characters."
@@ -217,7 +109,7 @@ def _lease_token(body: dict) -> str:
 
 
 def _result(body: dict) -> dict:
-    result = _field(body, "result", dict)
+    result = field(body, "result", dict)
     if not isinstance(result.get("text"), str):
         raise bad_request("Field 'result' must have a string 'text'.")
     if "language" in result and not isinstance(result["language"], str):
@@ -254,7 +146,7 @@ def _wait_seconds(body: dict) -> float:
     """How long a claim may wait for work: a number from 0 to 60 (0: answer now)."""
     value = body.get("wait_seconds", 0)
     if not _is_number(value) or not 0 <= value <= MAX_WAIT_SECONDS:
-        given = value if _is_number(value) else _json_type(value)
+        given = value if _is_number(value) else json_type(value)
         raise bad_request(
             f"Field 'wait_seconds' must be a number from 0 to {MAX_WAIT_SECONDS}, "
             f"not {given}."
@@ -348,8 +240,8 @@ def fail(
     request: HttpRequest, worker: Worker, body: dict, *, now, job_id: int
 ) -> HttpResponse:
     token = _lease_token(body)
-    error = _field(body, "error", str)
-    retryable = _field(body, "retryable", bool, required=False, default=True)
+    error = field(body, "error", str)
+    retryable = field(body, "retryable", bool, required=False, default=True)
     status = transitions.fail(
         _job(job_id), token, worker=worker, error=error, retryable=retryable, now=now
     )

@@ -1,13 +1,12 @@
-"""OpenAPI 3 description of the worker API v1, served at /api/v1/openapi.json.
+"""OpenAPI 3 description of the worker API v1 (tag ``worker``). Served at
+/api/v1/openapi.json together with the operator API's (``operator_api.openapi``
+adds its paths, tagged ``operator``).
 
 It is the contract the API is fuzzed against (tests/jobs/test_api_fuzz.py):
 every documented response is the only kind of response a request can get.
 """
 
 from __future__ import annotations
-
-from django.http import HttpRequest, JsonResponse
-from django.views.decorators.http import require_GET
 
 ERROR_CODES = [
     "bad_request",
@@ -88,12 +87,14 @@ SPEC = {
             "call needs 'Authorization: Bearer <worker token>'."
         ),
     },
+    "tags": [{"name": "worker", "description": "For transcription workers."}],
     "servers": [{"url": "/"}],
     "security": [{"workerToken": []}],
     "paths": {
         "/api/v1/claim": {
             "post": {
                 "operationId": "claim",
+                "tags": ["worker"],
                 "summary": "Lease the next claimable job.",
                 "requestBody": {
                     "required": False,
@@ -132,6 +133,7 @@ SPEC = {
         "/api/v1/jobs/{job_id}/heartbeat": {
             "post": {
                 "operationId": "heartbeat",
+                "tags": ["worker"],
                 "summary": "Extend the lease.",
                 "parameters": [JOB_ID],
                 "requestBody": _body("LeaseRequest"),
@@ -141,6 +143,7 @@ SPEC = {
         "/api/v1/jobs/{job_id}/complete": {
             "post": {
                 "operationId": "complete",
+                "tags": ["worker"],
                 "summary": "Store the result; idempotent for the token that completed it.",
                 "parameters": [JOB_ID],
                 "requestBody": _body("CompleteRequest"),
@@ -150,6 +153,7 @@ SPEC = {
         "/api/v1/jobs/{job_id}/fail": {
             "post": {
                 "operationId": "fail",
+                "tags": ["worker"],
                 "summary": "Record a failed attempt (retried later if retryable and attempts remain).",
                 "parameters": [JOB_ID],
                 "requestBody": _body("FailRequest"),
@@ -159,6 +163,7 @@ SPEC = {
         "/api/v1/jobs/{job_id}/release": {
             "post": {
                 "operationId": "release",
+                "tags": ["worker"],
                 "summary": "Give the job back at once (clean shutdown); the attempt is not counted.",
                 "parameters": [JOB_ID],
                 "requestBody": _body("LeaseRequest"),
@@ -335,9 +340,3 @@ SPEC = {
         },
     },
 }
-
-
-@require_GET
-def openapi(request: HttpRequest) -> JsonResponse:
-    """The description itself is public: it holds no data."""
-    return JsonResponse(SPEC)

@@ -67,6 +67,7 @@ INSTALLED_APPS = [
     "csp",
     "batches",
     "jobs",
+    "operator_api",
 ]
 
 MIDDLEWARE = [

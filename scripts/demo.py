@@ -137,6 +137,15 @@ def set_up() -> tuple[str, dict[str, str]]:
         f"created 2 batches: {ITEMS} interviews and {urgent} urgent press calls, "
         f"{hours:.1f} hours of audio"
     )
+    # The operator API: a token for the demo login and a manifest to submit.
+    from operator_api.tokens import issue_token
+
+    admin = get_user_model().objects.get(username=ADMIN)
+    _, api_token = issue_token(admin, label="demo", now=transitions.now())
+    token_file = VAR / "api_token"
+    token_file.write_text(api_token + "\n")
+    token_file.chmod(0o600)
+    manifest(VAR / "pipeline.csv", "pipeline", 20, 11, 30)
     connections.close_all()
     return password, tokens
 
@@ -440,7 +449,10 @@ def banner(url: str, password: str) -> None:
             f"  Login: {ADMIN} / {password}   (demo only)\n"
             f"  Leases last {LEASE_SECONDS}s. Three simulated workers run 2 jobs "
             f"each; gpu-flaky is SIGKILLed about every {KILL_EVERY:g}s.\n"
-            f"  Logs: var/demo/logs/   Ctrl-C stops everything.\n",
+            f"  Logs: var/demo/logs/   Ctrl-C stops everything.\n"
+            f"  Operator API: RECALL_URL={url} "
+            f"RECALL_API_TOKEN=$(cat var/demo/api_token) \\\n"
+            f"    python3 worker/recallctl.py submit var/demo/pipeline.csv --wait\n",
             flush=True,
         )
 

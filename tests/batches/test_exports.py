@@ -157,7 +157,7 @@ def test_srt_leaves_out_unusable_segments():
 def test_exports_beyond_the_per_process_limit_get_a_503_until_one_ends(
     settings, worker
 ):
-    from batches.views import EXPORT_SLOTS
+    from batches.streaming import EXPORT_SLOTS
 
     settings.RECALL_EXPORTS_PER_PROCESS = 2
     batch = make_batch(3)
