@@ -331,6 +331,16 @@ def snapshot() -> dict[str, list[dict[str, Any]]]:
     for row in rows[SweepState._meta.db_table]:
         # The sweep's start plus however long it took: the moment of the clock.
         row.update(last_finished_at="-")
+    # A tally is a counter found by its name; its id only says which backend
+    # first counted it (a claim that reclaims an expired lease and repairs its
+    # ledger row on the way counts both, in either order). Compare name and count.
+    rows[Tally._meta.db_table] = sorted(
+        (
+            {"name": row["name"], "count": row["count"]}
+            for row in rows[Tally._meta.db_table]
+        ),
+        key=lambda row: row["name"],
+    )
     return rows
 
 
