@@ -112,7 +112,9 @@ class OrmBackend:
         if not plausible_worker_token(token):
             return None, None
         live = (
-            Job.objects.filter(leased_by=OuterRef("pk"), status=JobStatus.LEASED)
+            # A job has a holder exactly while it is leased (a check
+            # constraint): its own index, not every live lease's.
+            Job.objects.filter(leased_by=OuterRef("pk"))
             .order_by()
             .values("leased_by")
             .annotate(n=Count("pk"))

@@ -221,11 +221,13 @@ def shift_and_record(moves: str, *, one_row: bool) -> str:
 # Every API request authenticates its worker by the token's clear prefix, and
 # takes with it the request's time from the database and how many live leases
 # the worker holds (its cap), at no round trip more.
+# The worker's live leases: its jobs, as a job has a holder exactly while it is
+# leased (a check constraint). Not "AND status = 'leased'": that let PostgreSQL
+# walk every live lease's expiry index instead of this worker's own (3 ms, not
+# 0.05, with 10,000 live leases).
 WORKERS_WITH_PREFIX = sql(
     """SELECT {columns}, (
-        SELECT count(*) FROM {job} j
-        WHERE j.{job.leased_by} = w.{worker.id}
-          AND j.{job.status} = {job_status[leased]}
+        SELECT count(*) FROM {job} j WHERE j.{job.leased_by} = w.{worker.id}
     ), statement_timestamp()
     FROM {worker} w
     WHERE w.{worker.token_prefix} = %(prefix)s""",
