@@ -117,9 +117,11 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 # long as their process): processes x threads connections per web server. Not a
 # pool: after a database restart psycopg-pool waits out an exponential backoff
 # before it reconnects, and answers 503 meanwhile; a thread's own connection is
-# health-checked and reopened by its next request.
+# health-checked and reopened by its next request: by a look at its socket,
+# not a round trip (recall_site/postgresql/base.py).
 RECALL_WEB_THREADS = env.int("RECALL_WEB_THREADS", default=1)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"]["ENGINE"] = "recall_site.postgresql"
     connect_timeout = env.int("DATABASE_CONNECT_TIMEOUT", default=5)
     # Fail fast while the server is down: requests answer 503 instead of hanging.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(

@@ -6,7 +6,6 @@ import contextlib
 import json
 from datetime import UTC, datetime, timedelta
 
-from django.conf import settings
 from django.db import connection
 from django.test import Client
 
@@ -23,7 +22,7 @@ def later(seconds: float) -> datetime:
 
 
 def is_postgres() -> bool:
-    return settings.DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql"
+    return connection.vendor == "postgresql"
 
 
 def make_worker(name: str = "gpu-1") -> Worker:

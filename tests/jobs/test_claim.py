@@ -186,7 +186,8 @@ def test_a_claim_on_a_connection_the_database_dropped_reconnects(worker, batch):
     other = connections.create_connection("default")
     try:
         with other.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(%s)", [dropped])
+            # Wait (up to 5 s) until it is gone, as a restart leaves it.
+            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [dropped])
     finally:
         other.close()
     connection.health_check_done = False  # as at the start of each request
