@@ -12,9 +12,11 @@ enums and ``item_status_for`` (``{job_status[leased]}``,
 ``{item_for[leased]}``), so the statements cannot drift from the schema. The
 facts the ORM backend writes once in ``rows.py`` are written once here too, as
 fragments every statement shares: the claimable condition (``CLAIMABLE``), the
-counter shift and the throughput upsert (``shift_and_record``), and the clock
-(``{now}``: the caller's instant, or the database's ``statement_timestamp()``
-when the caller passes none).
+counter shift and the throughput upsert (``shift_and_record``; ``shift_one``
+is its form for a single move whose statuses the statement fixes, a claim's or
+a completion's, which touches only the columns that move changes), and the
+clock (``{now}``: the caller's instant, or the database's
+``statement_timestamp()`` when the caller passes none).
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ NAMES: dict[str, Any] = {
 }
 
 
+ITEM_FOR = ITEM_STATUS_FOR_JOB
+
+
 def sql(template: str, **more: Any) -> str:
     return template.format(**NAMES, **more)
 
@@ -112,29 +117,28 @@ OPEN_BATCH = sql(
 )
 
 
-def shift_and_record(moves: str, *, one_row: bool) -> str:
+def shift_and_record(moves: str) -> str:
     """CTEs that apply the item moves in CTE ``moves`` (batch_id, item_id, old,
     new, ms) to the counter shards and count the finishes (done or failed) in
     the minute's throughput bucket: ``rows.shift_counters`` and
-    ``rows.record_finished`` as SQL.
+    ``rows.record_finished`` as SQL, for any number of moves between any
+    statuses (a chunk of reclaimed leases).
 
-    ``one_row``: ``moves`` holds at most one move (a claim, a completion), so
-    one counter row changes and no lock order is needed. Otherwise the moves
-    are summed per shard, and the shards are locked in (batch, shard) order, as
-    every transition orders them. The minute rows come after the counters (the
-    upsert reads from ``counter``): no deadlock.
+    The moves are summed per shard, and the shards are locked in (batch, shard)
+    order, as every transition orders them. The minute rows come after the
+    counters (the upsert reads from ``counter``): no deadlock.
     """
     counter = NAMES["counter"]
 
-    def change(status: str, quoted: str, ms: bool, of: str) -> str:
+    def change(status: str, ms: bool) -> str:
         """How one move changes the ``status`` count (or its duration sum)."""
-        step = f"(({of}new = {quoted})::int - ({of}old = {quoted})::int)"
-        return f"{step} * {of}ms" if ms else step
-
-    def finishes(status: str, ms: bool, of: str) -> str:
         quoted = NAMES["item_status"][status]
-        value = f"{of}ms" if ms else "1"
-        return f"CASE WHEN {of}new = {quoted} THEN {value} ELSE 0 END"
+        step = f"((new = {quoted})::int - (old = {quoted})::int)"
+        return f"{step} * ms" if ms else step
+
+    def finishes(status: str, ms: bool) -> str:
+        quoted = NAMES["item_status"][status]
+        return f"CASE WHEN new = {quoted} THEN {'ms' if ms else '1'} ELSE 0 END"
 
     # Each counter column: (column, the item status it counts, a duration sum?).
     columns = [
@@ -143,30 +147,8 @@ def shift_and_record(moves: str, *, one_row: bool) -> str:
     ]
     finished = [("f_done", "done", False), ("f_done_ms", "done", True)]
     finished += [("f_failed", "failed", False), ("f_failed_ms", "failed", True)]
-    if one_row:
-        updates = ", ".join(
-            f"{getattr(counter, column)} = c.{getattr(counter, column)} + "
-            f"{change(status, NAMES['item_status'][status], ms, 'm.')}"
-            for column, status, ms in columns
-        )
-        counted = sql(
-            """counter AS (
-        UPDATE {counter} c SET {updates}
-        FROM {moves} m
-        WHERE c.{counter.batch} = m.batch_id
-          AND c.{counter.shard} = mod(m.item_id, {shards}) AND m.old <> m.new
-        RETURNING m.batch_id, c.{counter.shard} AS shard, {finished}
-    )""",
-            updates=updates,
-            moves=moves,
-            finished=", ".join(
-                f"{finishes(status, ms, 'm.')} AS {name}"
-                for name, status, ms in finished
-            ),
-        )
-    else:
-        counted = sql(
-            """shift AS (
+    counted = sql(
+        """shift AS (
         SELECT batch_id, mod(item_id, {shards}) AS shard, {deltas}, {finished}
         FROM {moves} WHERE old <> new GROUP BY 1, 2
     ), locked AS (
@@ -182,22 +164,19 @@ def shift_and_record(moves: str, *, one_row: bool) -> str:
         RETURNING locked.batch_id, locked.shard, locked.f_done, locked.f_done_ms,
             locked.f_failed, locked.f_failed_ms
     )""",
-            deltas=", ".join(
-                f"sum({change(status, NAMES['item_status'][status], ms, '')})"
-                f" AS d_{column}"
-                for column, status, ms in columns
-            ),
-            finished=", ".join(
-                f"sum({finishes(status, ms, '')}) AS {name}"
-                for name, status, ms in finished
-            ),
-            moves=moves,
-            updates=", ".join(
-                f"{getattr(counter, column)} = c.{getattr(counter, column)} "
-                f"+ locked.d_{column}"
-                for column, _, _ in columns
-            ),
-        )
+        deltas=", ".join(
+            f"sum({change(status, ms)}) AS d_{column}" for column, status, ms in columns
+        ),
+        finished=", ".join(
+            f"sum({finishes(status, ms)}) AS {name}" for name, status, ms in finished
+        ),
+        moves=moves,
+        updates=", ".join(
+            f"{getattr(counter, column)} = c.{getattr(counter, column)} "
+            f"+ locked.d_{column}"
+            for column, _, _ in columns
+        ),
+    )
     return counted + sql(
         """, finished AS (
         INSERT INTO {minute} ({minute.batch}, {minute.minute}, {minute.shard},
@@ -213,6 +192,50 @@ def shift_and_record(moves: str, *, one_row: bool) -> str:
             {minute.failed_ms} = {minute}.{minute.failed_ms}
                 + excluded.{minute.failed_ms}
     )"""
+    )
+
+
+def shift_one(moves: str, old: ItemStatus, new: ItemStatus) -> str:
+    """``shift_and_record`` for CTE ``moves`` holding at most one move, from
+    ``old`` to ``new`` (a claim, a completion): one counter row changes, by
+    the four columns the move touches, so no lock order is needed; and the
+    minute's bucket only if the move is a finish."""
+    counter, minute = NAMES["counter"], NAMES["minute"]
+    old, new = ItemStatus(old).value, ItemStatus(new).value
+    changes = ", ".join(
+        f"{column} = c.{column} {sign} {amount}"
+        for status, sign in ((old, "-"), (new, "+"))
+        for column, amount in (
+            (getattr(counter, status), "1"),
+            (getattr(counter, f"{status}_ms"), "m.ms"),
+        )
+    )
+    counted = sql(
+        """counter AS (
+        UPDATE {counter} c SET {changes}
+        FROM {moves} m
+        WHERE c.{counter.batch} = m.batch_id
+          AND c.{counter.shard} = mod(m.item_id, {shards})
+        RETURNING m.batch_id, c.{counter.shard} AS shard, m.ms
+    )""",
+        changes=changes,
+        moves=moves,
+    )
+    if new not in (ItemStatus.DONE.value, ItemStatus.FAILED.value):
+        return counted
+    count, ms = getattr(minute, new), getattr(minute, f"{new}_ms")
+    return counted + sql(
+        """, finished AS (
+        INSERT INTO {minute} ({minute.batch}, {minute.minute}, {minute.shard},
+            {minute.done}, {minute.done_ms}, {minute.failed}, {minute.failed_ms})
+        SELECT batch_id, date_trunc('minute', {now}), shard, {values}
+        FROM counter
+        ON CONFLICT ({minute.batch}, {minute.minute}, {minute.shard}) DO UPDATE SET
+            {count} = {minute}.{count} + 1, {ms} = {minute}.{ms} + excluded.{ms}
+    )""",
+        values="1, ms, 0, 0" if new == ItemStatus.DONE.value else "0, 0, 1, ms",
+        count=count,
+        ms=ms,
     )
 
 
@@ -351,7 +374,9 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         job_columns=NAMES["job"].columns("j", "j_"),
         item_columns=NAMES["item"].columns("i", "i_"),
         claimable=CLAIMABLE,
-        shift=shift_and_record("moves", one_row=True),
+        shift=shift_one(
+            "moves", ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED]
+        ),
         result=result,
     )
 
@@ -439,7 +464,7 @@ COMPLETE = sql(
     ), {shift}
     SELECT item_status, lease_id, batch_id, attempts, at, (SELECT tail FROM tail)
     FROM target""",
-    shift=shift_and_record("moves", one_row=True),
+    shift=shift_one("moves", ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED]),
 )
 
 # --- Reclaim ---------------------------------------------------------------------
@@ -507,7 +532,7 @@ _RECLAIM = sql(
             AND attempts < max_attempts,
         attempts, worker_id, batch_id
     FROM pick""",
-    shift=shift_and_record("moves", one_row=False),
+    shift=shift_and_record("moves"),
 )
 RECLAIM_WAITING = _RECLAIM.replace(
     "{gate}", f"SELECT true AS open FROM pg_advisory_xact_lock({RECLAIM_GATE_KEY})"
