@@ -1,18 +1,18 @@
 """The PostgreSQL statement backend: the hot transitions as single statements.
 
 It replaces the ORM backend's hooks for worker authentication, the claim, the
-completion and a chunk of reclaimed leases with the prepared statements in
-``statements.py`` and inherits everything else. A single statement is atomic by
-itself, so these run without a transaction block of their own (no BEGIN and
-COMMIT round trips), or inside the caller's. Only the clean case is handled in
-SQL: when the rows disagree (an item whose status drifted, a live lease without
-its open ledger row) a statement writes nothing and says so, and the ORM
-backend's code, which locks the rows again, heals and logs the drift, runs
-instead. The same goes for a completion in its batch's tail (nothing queued:
-it may finish the batch, which takes the batch row's lock and writes the
-``batch.finished`` event, ``outbox.py``) and for a lease that expired on its
-job's last attempt (the job fails for good: an ``item.failed`` event, maybe a
-finish).
+heartbeat, the completion and a chunk of reclaimed leases with the prepared
+statements in ``statements.py`` and inherits everything else. A single
+statement is atomic by itself, so these run without a transaction block of
+their own (no BEGIN and COMMIT round trips), or inside the caller's. Only the
+clean case is handled in SQL: when the rows disagree (an item whose status
+drifted, a live lease without its open ledger row) a statement writes nothing
+and says so, and the ORM backend's code, which locks the rows again, heals and
+logs the drift, runs instead. The same goes for a completion in its batch's
+tail (nothing queued: it may finish the batch, which takes the batch row's lock
+and writes the ``batch.finished`` event, ``outbox.py``) and for a lease that
+expired on its job's last attempt (the job fails for good: an ``item.failed``
+event, maybe a finish).
 
 Time is the database's: a statement given no ``now`` reads
 ``statement_timestamp()`` and returns the instant it used, so a fallback to the
@@ -37,13 +37,14 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model, QuerySet
 
 from batches.models import Batch, BatchItem, ItemStatus
+from jobs.exceptions import LeaseLost
 from jobs.models import Job, JobStatus, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
 from . import statements
 from .orm import Candidate, ItemRow, OrmBackend
-from .rows import log_lease
+from .rows import log_lease, lost_detail
 from .rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
 
 # psycopg's default: prepare a statement on its fifth execution (``prepare=True``
@@ -196,6 +197,27 @@ class PostgresBackend(OrmBackend):
         job.attempts += 1
         item.status, item.updated_at = ItemStatus.TRANSCRIBING, at
         return job, True
+
+    # --- Heartbeat --------------------------------------------------------------
+
+    def heartbeat(
+        self, job_id: int, lease_token: str, *, worker: Worker, now: datetime | None
+    ) -> datetime:
+        # The job's deadline and its ledger row's in one statement (the most
+        # frequent call of all: every worker, every few seconds).
+        row = self._fetchone(
+            statements.HEARTBEAT,
+            {
+                "job": job_id,
+                "token": lease_token,
+                "worker": worker.pk,
+                "now": now,
+                "lease_seconds": lease_duration().total_seconds(),
+            },
+        )
+        if row is None:
+            raise LeaseLost(lost_detail(job_id))
+        return row[0]
 
     # --- Complete ---------------------------------------------------------------
 

@@ -414,6 +414,27 @@ CLAIM_FIRST = _claim(
     ),
 )
 
+# --- Heartbeat -------------------------------------------------------------------
+
+# Extend a live lease held with this token by this worker: the job's deadline
+# and the open ledger row's, one lease length from now. Returns the new expiry,
+# or no row if the lease is not live.
+HEARTBEAT = sql(
+    """WITH job AS (
+        UPDATE {job} SET {job.lease_expires_at} = {now} + {lease_seconds},
+            {job.heartbeat_at} = {now}, {job.updated_at} = {now}
+        WHERE {job.id} = %(job)s AND {job.status} = {job_status[leased]}
+          AND {job.lease_token} = %(token)s AND {job.leased_by} = %(worker)s
+        RETURNING {job.lease_expires_at} AS expires, {job.heartbeat_at} AS at
+    ), ledger AS (
+        UPDATE {lease} SET {lease.heartbeat_at} = job.at,
+            {lease.expires_at} = job.expires
+        FROM job
+        WHERE {lease}.{lease.token} = %(token)s AND {lease}.{lease.ended_at} IS NULL
+    )
+    SELECT expires FROM job"""
+)
+
 # --- Complete --------------------------------------------------------------------
 
 # leased -> completed under this lease, if the item and the ledger row agree
