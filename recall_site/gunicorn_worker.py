@@ -16,10 +16,10 @@ connection) with the 204 the view answered. While any claim is parked, a probe
 every ``RECALL_LONG_POLL_PROBE_SECONDS`` asks the database how many jobs claims
 could take (the processes of one server share one answer per interval); that
 many parked claims (oldest first) go back to the threads and run the view
-again, leaving a thread free for other requests. A claim whose wait is over gets
-its kept 204; one whose client hung up is dropped. A stopping worker answers
-all of them at once. Nothing is sent per transition (no ``NOTIFY``): the probe
-is the only cost, and only while someone waits.
+again, half the threads at most, leaving the others for other requests. A claim
+whose wait is over gets its kept 204; one whose client hung up is dropped. A
+stopping worker answers all of them at once. Nothing is sent per transition (no
+``NOTIFY``): the probe is the only cost, and only while someone waits.
 
 Everything here except ``_serve``, ``_run_again``, ``_answer_held`` and
 ``_probe`` (run on the pool's threads) runs on the worker's main thread (the
@@ -303,12 +303,18 @@ class ThreadWorker(StockThreadWorker):
 
     def _wake(self):
         """Run parked claims again, oldest first, as many as the last probe
-        found work for, but leaving a thread free (one woken claim may always
-        run): a batch for hundreds of waiting workers must not queue
-        heartbeats behind it."""
+        found work for, but at most half the threads at once (one woken claim
+        may always run): a batch for hundreds of waiting workers must not
+        queue heartbeats behind it. The threads of a process take turns on
+        one interpreter lock, so a heartbeat arriving during the wave waits
+        about as many turns as claims are running beside it, while the wave,
+        which keeps the cores busy either way, goes hardly slower with more
+        (BENCHMARKS.md, row 15: at 7 of 8 threads the heartbeats' p99 was
+        1.4 s, at 4 it is 0.8 s)."""
         while (
             self.wake_budget > 0
             and self.parked
+            and len(self.waking) < max(1, self.cfg.threads // 2)
             and (not self.waking or self.busy < self.cfg.threads - 1)
         ):
             conn = next(iter(self.parked))
