@@ -195,13 +195,13 @@ def shift_and_record(moves: str) -> str:
     )
 
 
-def shift_one(moves: str, old: ItemStatus, new: ItemStatus) -> str:
+def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
     """``shift_and_record`` for CTE ``moves`` holding at most one move, from
-    ``old`` to ``new`` (a claim, a completion): one counter row changes, by
+    ``moved`` = (old, new) (a claim, a completion): one counter row changes, by
     the four columns the move touches, so no lock order is needed; and the
     minute's bucket only if the move is a finish."""
     counter, minute = NAMES["counter"], NAMES["minute"]
-    old, new = ItemStatus(old).value, ItemStatus(new).value
+    old, new = (ItemStatus(status).value for status in moved)
     changes = ", ".join(
         f"{column} = c.{column} {sign} {amount}"
         for status, sign in ((old, "-"), (new, "+"))
@@ -375,7 +375,7 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         item_columns=NAMES["item"].columns("i", "i_"),
         claimable=CLAIMABLE,
         shift=shift_one(
-            "moves", ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED]
+            "moves", (ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED])
         ),
         result=result,
     )
@@ -485,7 +485,9 @@ COMPLETE = sql(
     ), {shift}
     SELECT item_status, lease_id, batch_id, attempts, at, (SELECT tail FROM tail)
     FROM target""",
-    shift=shift_one("moves", ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED]),
+    shift=shift_one(
+        "moves", (ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED])
+    ),
 )
 
 # --- Reclaim ---------------------------------------------------------------------
