@@ -17,7 +17,14 @@ import pytest
 from batches.models import Batch
 from jobs.models import Worker
 
-from .factories import T0, WorkerClient, is_postgres, make_batch, make_worker
+from .factories import (
+    T0,
+    WorkerClient,
+    is_postgres,
+    make_batch,
+    make_user,
+    make_worker,
+)
 from .receiver import Receiver
 
 
@@ -68,6 +75,24 @@ def other_worker(db) -> Worker:
 @pytest.fixture
 def batch(db) -> Batch:
     return make_batch(3)
+
+
+# Operators' accounts, by the group that gives them their rights (the UI and
+# the operator API check the same roles).
+@pytest.fixture
+def viewer(db):
+    return make_user("viewer", "Viewers")
+
+
+@pytest.fixture
+def operator(db):
+    return make_user("operator", "Operators")
+
+
+@pytest.fixture
+def stranger(db):
+    """Logged in, but in no group: may see nothing."""
+    return make_user("stranger")
 
 
 @pytest.fixture

@@ -52,21 +52,6 @@ def token_for(user, label: str = "test") -> str:
 
 
 @pytest.fixture
-def viewer(db):
-    return make_user("viewer", "Viewers")
-
-
-@pytest.fixture
-def operator(db):
-    return make_user("operator", "Operators")
-
-
-@pytest.fixture
-def stranger(db):
-    return make_user("stranger")
-
-
-@pytest.fixture
 def admin_user(db):
     return make_user("admin", superuser=True)
 
