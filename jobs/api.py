@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from functools import wraps
 from typing import Any
@@ -31,7 +32,7 @@ from .jsonapi import (
     json_type,
 )
 from .jsonapi import _check_values as _check_values  # the reference worker's tests
-from .metrics import observed
+from .metrics import count_request, observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
 from .transitions.rules import heartbeat_interval
@@ -75,11 +76,16 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
     return observed(wrapper)
 
 
+def bearer_token(authorization: str) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header, or ''."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
 def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
     """The worker making the request, and the request's time (the database's)."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
+    token = bearer_token(request.headers.get("Authorization", ""))
+    if not token:
         raise ApiError(
             401,
             "unauthorized",
@@ -185,36 +191,74 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
     job = transitions.claim_next(worker, now=now)
     if job is None:
         # Asked to wait and the server can hold the request without a thread
-        # (jobs/waiter.py): it keeps this 204 and tries again when work may
-        # have come, or sends the 204 when the wait is over.
+        # (jobs/waiter.py): it keeps this 204 and, when work may have come,
+        # claims again with claims_for_waiting (below), or sends the 204 when
+        # the wait is over.
         waiter = request.META.get(WAITER_KEY)
         if wait and isinstance(waiter, Waiter):
             waiter.park(wait, request.body)
         return HttpResponse(status=204)
+    return JsonResponse(claimed(job))
+
+
+def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
+    """Claim for waiting (parked) long-poll claims, woken because the server's
+    probe found work: for each request's ``Authorization`` header, in order,
+    the JSON body of its 200, or None when the claim view itself must answer
+    it (its worker is unknown, disabled or at its lease cap by now: a 401, 403
+    or 429). Stops at the first claim that finds nothing: the rest wait on.
+
+    Each claim is the view's (authentication, then ``claim_next``, each its
+    own transaction), on the caller's thread, without running the request
+    through HTTP parsing and middleware again: for a wave of hundreds of
+    waiting workers that was most of the cost (BENCHMARKS.md, row 15).
+    """
+    cap = settings.RECALL_MAX_LEASES_PER_WORKER
+    for authorization in authorizations:
+        started = time.perf_counter()
+        token = bearer_token(authorization)
+        worker, now = transitions.authenticate_worker(token) if token else (None, None)
+        if (
+            worker is None
+            or now is None
+            or not worker.is_active
+            or worker.live_leases >= cap
+        ):
+            yield None
+            continue
+        transitions.touch_worker(worker, now=now)
+        job = transitions.claim_next(worker, now=now)
+        if job is None:
+            return
+        body = JsonResponse(claimed(job)).content
+        count_request("claim", 200, time.perf_counter() - started)
+        yield body
+
+
+def claimed(job: Job) -> dict[str, Any]:
+    """A claim's answer: the leased job, with what its worker needs to do it."""
     expires = job.lease_expires_at
     if expires is None:  # a leased job always has one (a check constraint)
         raise RuntimeError(f"job {job.pk} was leased without an expiry")
-    return JsonResponse(
-        {
-            "job": {
-                "id": job.pk,
-                "lease_token": job.lease_token,
-                "lease_expires_at": expires.isoformat(),
-                "lease_seconds": settings.RECALL_LEASE_SECONDS,
-                "heartbeat_interval": heartbeat_interval(),
-                "attempt": job.attempts,
-                "max_attempts": job.max_attempts,
-                "batch": {"id": job.batch.pk, "name": job.batch.name},
-                "item": {
-                    "id": job.item.pk,
-                    "source": job.item.source,
-                    "params": job.item.params,
-                    # Additive to the v1 shape: from the manifest, null if unknown.
-                    "duration_seconds": job.item.duration_seconds,
-                },
-            }
+    return {
+        "job": {
+            "id": job.pk,
+            "lease_token": job.lease_token,
+            "lease_expires_at": expires.isoformat(),
+            "lease_seconds": settings.RECALL_LEASE_SECONDS,
+            "heartbeat_interval": heartbeat_interval(),
+            "attempt": job.attempts,
+            "max_attempts": job.max_attempts,
+            "batch": {"id": job.batch.pk, "name": job.batch.name},
+            "item": {
+                "id": job.item.pk,
+                "source": job.item.source,
+                "params": job.item.params,
+                # Additive to the v1 shape: from the manifest, null if unknown.
+                "duration_seconds": job.item.duration_seconds,
+            },
         }
-    )
+    }
 
 
 @worker_endpoint

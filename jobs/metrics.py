@@ -271,12 +271,17 @@ def observed(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
             status = 503
             raise
         finally:
-            metrics = request_metrics()
-            metrics.requests.labels(endpoint, str(status)).inc()
-            if endpoint == "claim":
-                metrics.claim_seconds.observe(time.perf_counter() - started)
+            count_request(endpoint, status, time.perf_counter() - started)
 
     return wrapper
+
+
+def count_request(endpoint: str, status: int, seconds: float) -> None:
+    """Count one answered worker API request (and time it, if a claim)."""
+    metrics = request_metrics()
+    metrics.requests.labels(endpoint, str(status)).inc()
+    if endpoint == "claim":
+        metrics.claim_seconds.observe(seconds)
 
 
 # --- Exposition -------------------------------------------------------------------

@@ -14,17 +14,19 @@ tries once on a thread; if nothing is claimable it parks the request, and this
 worker keeps the connection in its event loop (no thread, no database
 connection) with the 204 the view answered. While any claim is parked, a probe
 every ``RECALL_LONG_POLL_PROBE_SECONDS`` asks the database how many jobs claims
-could take (the processes of one server share one answer per interval); that
-many parked claims (oldest first) go back to the threads and run the view
-again, half the threads at most, leaving the others for other requests. A claim
-whose wait is over gets its kept 204; one whose client hung up is dropped. A
-stopping worker answers all of them at once. Nothing is sent per transition (no
-``NOTIFY``): the probe is the only cost, and only while someone waits.
+could take (the processes of one server share one answer per interval). Then
+one thread claims for that many parked claims, oldest first, one after another
+(``jobs.api.claims_for_waiting``: the view's authentication and claim, without
+the HTTP and middleware work again), and answers each 200 as soon as it has its
+job; when a claim finds nothing, the rest wait on. A claim whose wait is over
+gets its kept 204; one whose client hung up is dropped. A stopping worker
+answers all of them at once. Nothing is sent per transition (no ``NOTIFY``):
+the probe is the only cost, and only while someone waits.
 
-Everything here except ``_serve``, ``_run_again``, ``_answer_held`` and
-``_probe`` (run on the pool's threads) runs on the worker's main thread (the
-accept and completion callbacks of gunicorn's event loop), so the counts and
-the parked set need no lock.
+Everything here except ``_serve``, ``_run_again``, ``_answer_held``,
+``_claim_for`` and ``_probe`` (run on the pool's threads) runs on the worker's
+main thread (the accept and completion callbacks of gunicorn's event loop), so
+the counts and the parked set need no lock.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import socket
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from datetime import datetime
 from functools import partial
 
@@ -71,8 +74,8 @@ class ThreadWorker(StockThreadWorker):
         self.probing = False
         self.next_probe = 0.0
         self.wake_budget = 0  # claims the last probe said could find work
-        self.waking: set = set()  # woken claims running again on threads
-        self.probe_failure_logged = -math.inf
+        self.claiming = False  # a thread is claiming for woken parked claims
+        self.failure_logged = {"probe": -math.inf, "claim": -math.inf}
 
     # --- Listening only with a free thread ------------------------------------
 
@@ -84,10 +87,6 @@ class ThreadWorker(StockThreadWorker):
     def finish_request(self, conn, fs):
         self.busy -= 1
         result = None if fs.cancelled() or fs.exception() else fs.result()
-        if conn in self.waking:
-            self.waking.discard(conn)
-            if isinstance(result, Waiter):
-                self.wake_budget = 0  # it found nothing: others were faster
         if isinstance(result, Waiter):
             self._park(conn, result)
         else:
@@ -190,7 +189,8 @@ class ThreadWorker(StockThreadWorker):
         return True
 
     def _run_again(self, conn, waiter: Waiter):
-        """A parked claim, woken: run the view again (it may park once more)."""
+        """A woken claim the view must answer itself (its worker was refused):
+        run the request again."""
         return self._guarded(
             conn,
             waiter.held.req,
@@ -232,12 +232,17 @@ class ThreadWorker(StockThreadWorker):
 
     # --- Parked claims (on the main thread) -------------------------------------
 
-    def _park(self, conn, waiter: Waiter):
+    def _park(self, conn, waiter: Waiter, *, first: bool = False):
+        """Hold ``conn``'s claim; ``first``: ahead of the others (its turn to be
+        woken was not over)."""
         if not self.alive:
             self._submit(conn, self._answer_held, conn, waiter)
             return
         conn.sock.setblocking(False)
-        self.parked[conn] = waiter
+        if first:
+            self.parked = {conn: waiter, **self.parked}
+        else:
+            self.parked[conn] = waiter
         self.poller.register(
             conn.sock, selectors.EVENT_READ, partial(self._on_parked_readable, conn)
         )
@@ -302,26 +307,102 @@ class ThreadWorker(StockThreadWorker):
         self._listen()
 
     def _wake(self):
-        """Run parked claims again, oldest first, as many as the last probe
-        found work for, but at most half the threads at once (one woken claim
-        may always run): a batch for hundreds of waiting workers must not
-        queue heartbeats behind it. The threads of a process take turns on
-        one interpreter lock, so a heartbeat arriving during the wave waits
-        about as many turns as claims are running beside it, while the wave,
-        which keeps the cores busy either way, goes hardly slower with more
-        (BENCHMARKS.md, row 15: at 7 of 8 threads the heartbeats' p99 was
-        1.4 s, at 4 it is 0.8 s)."""
-        while (
-            self.wake_budget > 0
-            and self.parked
-            and len(self.waking) < max(1, self.cfg.threads // 2)
-            and (not self.waking or self.busy < self.cfg.threads - 1)
-        ):
-            conn = next(iter(self.parked))
-            waiter = self._unpark(conn)
-            self.wake_budget -= 1
-            self.waking.add(conn)
-            self._submit(conn, self._run_again, conn, waiter)
+        """Claim for parked claims, oldest first, as many as the last probe
+        found work for: on one thread, one claim after another
+        (``jobs.api.claims_for_waiting``), each answered as soon as it has its
+        job. One thread, not one per claim, so that a batch for hundreds of
+        waiting workers leaves the other threads free for heartbeats."""
+        if self.claiming or self.wake_budget <= 0 or not self.parked:
+            return
+        woken = [
+            (conn, self._unpark(conn)) for conn in list(self.parked)[: self.wake_budget]
+        ]
+        self.claiming = True
+        self.busy += 1
+        fs = self.tpool.submit(self._claim_for, woken)
+        fs.add_done_callback(
+            lambda fut: self.method_queue.defer(self._claimed, woken, fut)
+        )
+
+    def _claim_for(self, woken: list) -> dict:
+        """On a thread: claim for the ``woken`` parked claims and answer each
+        that gets a job. What became of each: its keep-alive (answered),
+        ``None`` (the full view answers it), or nothing (not reached: nothing
+        was left to claim, it waits on)."""
+        from django.db import close_old_connections
+
+        from jobs.api import claims_for_waiting
+
+        outcomes: dict = {}
+        close_old_connections()
+        try:
+            answers = claims_for_waiting(
+                waiter.held.environ.get("HTTP_AUTHORIZATION", "") for _, waiter in woken
+            )
+            # The answers stop early when nothing is left to claim.
+            for (conn, waiter), body in zip(woken, answers, strict=False):
+                outcomes[conn] = body and self._guarded(
+                    conn,
+                    waiter.held.req,
+                    partial(self._answer_claimed, conn, waiter, body),
+                )
+        except Exception as error:
+            # A lost database: the claims not answered wait on, and the next
+            # probe tries again.
+            self._log_failure("claim", error)
+        finally:
+            close_old_connections()
+        return outcomes
+
+    def _answer_claimed(self, conn, waiter: Waiter, body: bytes) -> bool:
+        """Send a woken claim its job: a 200 with the JSON ``body`` and the
+        headers the view's kept 204 had (the middleware's), on a thread."""
+        held = waiter.held
+        resp = wsgi.Response(held.req, conn.sock, self.cfg)
+        if held.resp.must_close:
+            resp.force_close()
+        kept = [
+            (name, value)
+            for name, value in held.resp.headers
+            if name.lower() not in ("content-type", "content-length")
+        ]
+        resp.start_response(
+            "200 OK",
+            [
+                *kept,
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+            ],
+        )
+        try:
+            resp.write(body)
+            resp.close()
+        finally:
+            self.log.access(resp, held.req, held.environ, datetime.now() - held.started)
+        return self._keepalive_after(conn, not resp.should_close())
+
+    def _claimed(self, woken: list, fs):
+        """Back on the main thread: finish the answered claims, hand the ones
+        the view must answer to a thread, and park again (first in line) the
+        ones not reached."""
+        self.busy -= 1
+        self.claiming = False
+        outcomes = {} if fs.cancelled() or fs.exception() else fs.result()
+        for conn, waiter in reversed(woken):
+            if conn not in outcomes:
+                self._park(conn, waiter, first=True)
+            elif outcomes[conn] is None:
+                self._submit(conn, self._run_again, conn, waiter)
+            else:
+                answered: Future = Future()
+                answered.set_result(outcomes[conn])
+                super().finish_request(conn, answered)  # keep-alive or close
+        if len(outcomes) < len(woken):
+            self.wake_budget = 0  # nothing left to claim: others were faster
+        else:
+            self.wake_budget -= len(woken)
+        self._wake()
+        self._listen()
 
     def _probe(self) -> int:
         """How many parked claims may find work (on a thread, with its database
@@ -353,14 +434,17 @@ class ThreadWorker(StockThreadWorker):
         try:
             return claimable_jobs(self.worker_connections)
         except Exception as error:
-            # The database may be down for a while: one line a minute, and the
-            # waiting claims get their 204 when their wait is over.
-            if time.monotonic() - self.probe_failure_logged >= 60:
-                self.probe_failure_logged = time.monotonic()
-                self.log.warning("long-poll probe failed (%r); trying again", error)
+            # The waiting claims get their 204 when their wait is over.
+            self._log_failure("probe", error)
             return None
         finally:
             close_old_connections()
+
+    def _log_failure(self, what: str, error: Exception) -> None:
+        """The database may be down for a while: one line a minute for each."""
+        if time.monotonic() - self.failure_logged[what] >= 60:
+            self.failure_logged[what] = time.monotonic()
+            self.log.warning("long-poll %s failed (%r); trying again", what, error)
 
     def _probe_interval(self) -> float:
         from django.conf import settings

@@ -75,11 +75,12 @@ class Waiting(threading.Thread):
         return self.result
 
 
-def parked(worker: Worker) -> None:
-    """Return once the worker's claim has been tried once (and found nothing):
-    its first request marks the worker seen, and the view parks it right after."""
+def parked(*workers: Worker) -> None:
+    """Return once the workers' claims have been tried once (and found nothing):
+    a first request marks its worker seen, and the view parks it right after."""
     deadline = time.monotonic() + 10
-    while Worker.objects.get(pk=worker.pk).last_seen is None:
+    pks = [worker.pk for worker in workers]
+    while Worker.objects.filter(pk__in=pks, last_seen__isnull=False).count() < len(pks):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     time.sleep(0.2)
@@ -268,3 +269,92 @@ def test_many_waiting_claims_hold_no_thread_and_do_not_slow_heartbeats(server):
     assert max(seen_backends) <= PROCESSES * THREADS
     assert Job.objects.get(pk=job["id"]).status == JobStatus.LEASED
     assert_consistent(timezone.now())
+
+
+def test_one_wake_gives_each_waiting_claim_its_own_job_until_none_is_left(server):
+    """30 claims wait on 2 processes; a batch of 20 comes. Each process's one
+    claiming thread hands out what it can: 20 claims get 20 distinct jobs
+    within the probe's reach, the other 10 wait on and get their 204."""
+    _, port = server
+    workers = [make_worker(f"w{i}") for i in range(30)]
+    waiting = [Waiting(port, worker, 6) for worker in workers]
+    parked(*workers)
+
+    batch = make_batch(20, now=timezone.now())
+    answers = [w.answer() for w in waiting]
+
+    won = [(w, body) for w, (status, body, _) in zip(workers, answers) if status == 200]
+    assert sorted(status for status, _, _ in answers) == [200] * 20 + [204] * 10
+    assert sorted(body["job"]["id"] for _, body in won) == sorted(
+        job.pk for job in jobs_of(batch)
+    )
+    for worker, body in won:
+        job = Job.objects.get(pk=body["job"]["id"])
+        assert (job.status, job.leased_by_id) == (JobStatus.LEASED, worker.pk)
+        assert job.lease_token == body["job"]["lease_token"]
+    # The ones that got no job waited their whole 6 s.
+    assert min(took for status, _, took in answers if status == 204) >= 6
+    assert_consistent(timezone.now())
+
+
+def test_a_woken_claim_is_answered_as_the_view_answers_a_claim(server):
+    """The 200 of a woken claim has the body shape and the headers (the
+    middleware's among them) of a claim answered at once."""
+    _, port = server
+    early, late = make_worker("early"), make_worker("late")
+    make_batch(2, now=timezone.now())
+
+    def claim(worker: Worker, body: dict):
+        client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        client.request(
+            "POST",
+            "/api/v1/claim",
+            json.dumps(body),
+            {"Authorization": f"Bearer {worker.token}"},
+        )
+        response = client.getresponse()
+        payload = json.loads(response.read())
+        client.close()
+        return response.status, payload, dict(response.getheaders())
+
+    status, direct, direct_headers = claim(early, {})
+    assert status == 200
+    # Pause the batch so the late claim parks, then resume it to wake it.
+    batch = Job.objects.get(pk=direct["job"]["id"]).batch
+    transitions.pause_batch(batch)
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(claim(late, {"wait_seconds": 20}))
+    )
+    thread.start()
+    parked(late)
+    transitions.resume_batch(batch)
+    thread.join(timeout=30)
+
+    status, woken, woken_headers = result[0]
+    assert status == 200
+    assert woken["job"].keys() == direct["job"].keys()
+    assert woken["job"]["item"].keys() == direct["job"]["item"].keys()
+    assert woken["job"]["id"] != direct["job"]["id"]
+    ignored = {"Date", "Content-Length"}
+    assert {k: v for k, v in woken_headers.items() if k not in ignored} == {
+        k: v for k, v in direct_headers.items() if k not in ignored
+    }
+
+
+def test_a_worker_disabled_while_it_waits_is_refused_when_work_comes(server):
+    """The woken claim re-authenticates: a worker disabled while its claim
+    waited gets the view's 403, and no lease."""
+    _, port = server
+    worker = make_worker("soon-disabled")
+    waiting = Waiting(port, worker, 20)
+    parked(worker)
+    transitions.set_worker_active(Worker.objects.get(pk=worker.pk), False)
+
+    make_batch(1, now=timezone.now())
+    status, body, took = waiting.answer()
+
+    assert status == 403
+    assert body["error"] == "forbidden"
+    assert took < 5
+    assert not Lease.objects.exists()
