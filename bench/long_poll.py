@@ -4,8 +4,9 @@ Each simulated worker behaves like the reference worker (worker/recall_worker.py
 between jobs with ``--wait-seconds``: it claims with ``{"wait_seconds": W}``;
 on 204 it claims again at once (the server held it); on a job it reports the
 claim to the benchmark, then heartbeats the lease every ``heartbeat_interval``
-(from the claim) until the run ends. A few more workers hold a lease from the
-start and heartbeat it every ``interval`` seconds throughout. The workers start
+(from the claim; the first one interval after it, as the reference worker does)
+until the run ends. A few more workers hold a lease from the start and
+heartbeat it every ``interval`` seconds throughout. The workers start
 over ``spread`` seconds, as a fleet does, not in one instant. Every call is a
 new HTTP connection, as urllib makes them. It runs in a process of its own
 (asyncio, no threads), so its CPU is not the server's.
@@ -98,7 +99,10 @@ async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
         head, _, payload = response.partition(b"\r\n\r\n")
         return int(head.split(b" ", 2)[1]), payload
 
-    async def heartbeat(token: str, job_id: int, lease_token: str, every: float):
+    async def heartbeat(
+        token: str, job_id: int, lease_token: str, every: float, *, first: float = 0
+    ):
+        await asyncio.sleep(first)
         while not stop.is_set():
             sent, started = time.time(), time.monotonic()
             try:
@@ -129,8 +133,11 @@ async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
             if status == 200:
                 job = json.loads(payload)["job"]
                 claims.put((time.time(), job["id"]))
+                # As the reference worker: the first heartbeat one interval
+                # after the claim, not at once.
+                every = job["heartbeat_interval"]
                 await heartbeat(
-                    token, job["id"], job["lease_token"], job["heartbeat_interval"]
+                    token, job["id"], job["lease_token"], every, first=every
                 )
                 return
             if status != 204:

@@ -1368,8 +1368,8 @@ def long_poll(bench: Bench) -> None:
         "long-poll",
         f"heartbeat p50 / p99 / max ({len(latencies)} heartbeats: "
         f"{sizes.long_poll_beaters} leases every {sizes.heartbeat_interval:g} s "
-        f"while all wait and through the batch, the {n} new ones at their "
-        f"interval)",
+        f"while all wait and through the batch; the {n} new leases' first "
+        f"come one interval after their claims)",
         f"{_ms(_pct(latencies, 0.5))} / {_ms(_pct(latencies, 0.99))} / "
         f"{_ms(max(latencies))}",
         "p99 < 1 s",
