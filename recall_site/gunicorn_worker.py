@@ -13,9 +13,11 @@ Long-poll claims (``{"wait_seconds": N}``, ``jobs/waiter.py``): the claim view
 tries once on a thread; if nothing is claimable it parks the request, and this
 worker keeps the connection in its event loop (no thread, no database
 connection) with the 204 the view answered. While any claim is parked, a probe
-every ``RECALL_LONG_POLL_PROBE_SECONDS`` asks the database how many jobs claims
-could take (the processes of one server share one answer per interval). Then
-one thread claims for that many parked claims, oldest first, one after another
+asks the database how many jobs claims could take, once per
+``RECALL_LONG_POLL_PROBE_SECONDS`` for the whole server: the processes share
+the answer through a locked file, which each reads every ``LOOK_SECONDS``, and
+whichever finds it old asks again. Then one thread per process claims for that
+many of its parked claims, oldest first, one after another
 (``jobs.api.claims_for_waiting``: the view's authentication and claim, without
 the HTTP and middleware work again), and answers each 200 as soon as it has its
 job; when a claim finds nothing, the rest wait on. A claim whose wait is over
@@ -52,6 +54,10 @@ from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
 
 from jobs.waiter import WAITER_KEY, Waiter
 
+# How often a process with parked claims reads the server's probe answer: a
+# file read, no database. One process's probe wakes the claims of all.
+LOOK_SECONDS = 0.05
+
 
 def probe_file(master_pid: int) -> str:
     """The file where one server's processes share their probe's answer."""
@@ -72,10 +78,13 @@ class ThreadWorker(StockThreadWorker):
         self.busy = 0  # requests submitted to the thread pool and not finished
         self.parked: dict = {}  # connection -> Waiter, oldest first
         self.probing = False
-        self.next_probe = 0.0
+        self.next_probe = 0.0  # this process asks the database no sooner
+        self.next_look = 0.0  # when to read the server's shared answer again
+        self.answer_seen = 0.0  # the time of the last shared answer acted on
         self.wake_budget = 0  # claims the last probe said could find work
         self.claiming = False  # a thread is claiming for woken parked claims
         self.failure_logged = {"probe": -math.inf, "claim": -math.inf}
+        self.shared = None  # the server's probe answer file, opened on first use
 
     # --- Listening only with a free thread ------------------------------------
 
@@ -273,8 +282,7 @@ class ThreadWorker(StockThreadWorker):
         if self.parked:
             now = time.monotonic()
             soonest = min(w.deadline or now for w in self.parked.values())
-            if not self.probing:
-                soonest = min(soonest, self.next_probe)
+            soonest = min(soonest, self.next_look)
             timeout = min(timeout, max(soonest - now, 0.0))
         super().wait_for_and_dispatch_events(timeout)
         if self.parked:
@@ -282,7 +290,7 @@ class ThreadWorker(StockThreadWorker):
 
     def _tend_parked(self):
         """Answer the claims whose wait is over (all of them when stopping), and
-        start a probe when one is due."""
+        look at the server's probe answer when it is time."""
         now = time.monotonic()
         over = [
             conn
@@ -292,7 +300,21 @@ class ThreadWorker(StockThreadWorker):
         for conn in over:
             waiter = self._unpark(conn)
             self._submit(conn, self._answer_held, conn, waiter)
-        if self.parked and not self.probing and now >= self.next_probe:
+        if self.parked and now >= self.next_look:
+            self.next_look = now + min(LOOK_SECONDS, self._probe_interval())
+            self._look()
+
+    def _look(self):
+        """Act on the server's newest probe answer, once; start a probe (on a
+        thread) when the answer is older than the probe interval."""
+        stamp, found = self._shared_answer()
+        if stamp > self.answer_seen:
+            self.answer_seen = stamp
+            self.wake_budget = found
+            self._wake()
+        now = time.monotonic()
+        due = now - stamp >= self._probe_interval()
+        if due and not self.probing and now >= self.next_probe:
             self.probing = True
             self.busy += 1
             fs = self.tpool.submit(self._probe)
@@ -302,8 +324,8 @@ class ThreadWorker(StockThreadWorker):
         self.busy -= 1
         self.probing = False
         self.next_probe = time.monotonic() + self._probe_interval()
-        self.wake_budget = 0 if fs.cancelled() or fs.exception() else fs.result()
-        self._wake()
+        if self.parked:
+            self._look()
         self._listen()
 
     def _wake(self):
@@ -326,9 +348,10 @@ class ThreadWorker(StockThreadWorker):
 
     def _claim_for(self, woken: list) -> dict:
         """On a thread: claim for the ``woken`` parked claims and answer each
-        that gets a job. What became of each: its keep-alive (answered),
-        ``None`` (the full view answers it), or nothing (not reached: nothing
-        was left to claim, it waits on)."""
+        that gets a job, handing its connection back to the main thread at
+        once (a client reading to the end must not wait for the others). What
+        became of each: True (answered), ``None`` (the full view answers it),
+        or nothing (not reached: nothing was left to claim, it waits on)."""
         from django.db import close_old_connections
 
         from jobs.api import claims_for_waiting
@@ -341,11 +364,16 @@ class ThreadWorker(StockThreadWorker):
             )
             # The answers stop early when nothing is left to claim.
             for (conn, waiter), body in zip(woken, answers, strict=False):
-                outcomes[conn] = body and self._guarded(
+                if body is None:
+                    outcomes[conn] = None
+                    continue
+                keepalive = self._guarded(
                     conn,
                     waiter.held.req,
                     partial(self._answer_claimed, conn, waiter, body),
                 )
+                self.method_queue.defer(self._answered, conn, keepalive)
+                outcomes[conn] = True
         except Exception as error:
             # A lost database: the claims not answered wait on, and the next
             # probe tries again.
@@ -381,10 +409,17 @@ class ThreadWorker(StockThreadWorker):
             self.log.access(resp, held.req, held.environ, datetime.now() - held.started)
         return self._keepalive_after(conn, not resp.should_close())
 
+    def _answered(self, conn, keepalive: bool):
+        """A woken claim was answered: keep its connection alive or close it,
+        as gunicorn does after any request."""
+        answered: Future = Future()
+        answered.set_result(keepalive)
+        super().finish_request(conn, answered)
+
     def _claimed(self, woken: list, fs):
-        """Back on the main thread: finish the answered claims, hand the ones
-        the view must answer to a thread, and park again (first in line) the
-        ones not reached."""
+        """Back on the main thread once the claiming thread is done: hand the
+        claims the view must answer to a thread, and park again (first in
+        line) the ones not reached."""
         self.busy -= 1
         self.claiming = False
         outcomes = {} if fs.cancelled() or fs.exception() else fs.result()
@@ -393,10 +428,6 @@ class ThreadWorker(StockThreadWorker):
                 self._park(conn, waiter, first=True)
             elif outcomes[conn] is None:
                 self._submit(conn, self._run_again, conn, waiter)
-            else:
-                answered: Future = Future()
-                answered.set_result(outcomes[conn])
-                super().finish_request(conn, answered)  # keep-alive or close
         if len(outcomes) < len(woken):
             self.wake_budget = 0  # nothing left to claim: others were faster
         else:
@@ -404,26 +435,41 @@ class ThreadWorker(StockThreadWorker):
         self._wake()
         self._listen()
 
-    def _probe(self) -> int:
-        """How many parked claims may find work (on a thread, with its database
-        connection). The server's processes share one answer per interval
-        through a locked file, so a server asks once, however many processes
-        hold claims."""
+    def _shared_answer(self) -> tuple[float, int]:
+        """The server's last probe answer: (``time.monotonic()`` when it was
+        asked, how many claims may find work); (0, 0) if there is none or a
+        probe is writing it."""
+        if self.shared is None:
+            self.shared = open(probe_file(self.ppid), "a+b")  # noqa: SIM115
+        try:
+            fcntl.flock(self.shared, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0.0, 0
+        try:
+            last = os.pread(self.shared.fileno(), 64, 0).split()
+        finally:
+            fcntl.flock(self.shared, fcntl.LOCK_UN)
+        if len(last) != 2:
+            return 0.0, 0
+        return float(last[0]), int(last[1])
+
+    def _probe(self) -> None:
+        """Ask the database how many parked claims may find work, for the whole
+        server (on a thread, with its database connection): under the shared
+        file's lock, unless another process just did."""
         with open(probe_file(self.ppid), "a+b") as shared:
             fcntl.flock(shared, fcntl.LOCK_EX)  # released when the file closes
-            shared.seek(0)
-            last = shared.read().split()
+            last = os.pread(shared.fileno(), 64, 0).split()
             if len(last) == 2 and (
-                time.monotonic() - float(last[0]) < self._probe_interval() * 0.9
+                time.monotonic() - float(last[0]) < self._probe_interval()
             ):
-                return int(last[1])
+                return
+            asked = time.monotonic()
             found = self._ask_database()
-            if found is None:
-                return 0
-            shared.seek(0)
-            shared.truncate()
-            shared.write(f"{time.monotonic()} {found}".encode())
-            return found
+            if found is not None:
+                shared.seek(0)
+                shared.truncate()
+                shared.write(f"{asked} {found}".encode())
 
     def _ask_database(self) -> int | None:
         from django.db import close_old_connections

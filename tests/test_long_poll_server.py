@@ -283,7 +283,11 @@ def test_one_wake_gives_each_waiting_claim_its_own_job_until_none_is_left(server
     batch = make_batch(20, now=timezone.now())
     answers = [w.answer() for w in waiting]
 
-    won = [(w, body) for w, (status, body, _) in zip(workers, answers) if status == 200]
+    won = [
+        (w, body)
+        for w, (status, body, _) in zip(workers, answers, strict=True)
+        if status == 200
+    ]
     assert sorted(status for status, _, _ in answers) == [200] * 20 + [204] * 10
     assert sorted(body["job"]["id"] for _, body in won) == sorted(
         job.pk for job in jobs_of(batch)
