@@ -188,14 +188,18 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
             f"(the limit is {cap}): finish, fail or release one before claiming more.",
             {"Retry-After": str(heartbeat_interval())},
         )
+    # Asked to wait and the server can hold the request without a thread
+    # (jobs/waiter.py): it keeps the 204 and, when work may have come, claims
+    # again with claims_for_waiting (below), or sends the 204 when the wait is
+    # over. If its probe found nothing a moment ago, it waits for the next.
+    waiter = request.META.get(WAITER_KEY)
+    if not isinstance(waiter, Waiter):
+        waiter = None
+    if wait and waiter and waiter.quiet and waiter.park(wait, request.body):
+        return HttpResponse(status=204)
     job = transitions.claim_next(worker, now=now)
     if job is None:
-        # Asked to wait and the server can hold the request without a thread
-        # (jobs/waiter.py): it keeps this 204 and, when work may have come,
-        # claims again with claims_for_waiting (below), or sends the 204 when
-        # the wait is over.
-        waiter = request.META.get(WAITER_KEY)
-        if wait and isinstance(waiter, Waiter):
+        if wait and waiter:
             waiter.park(wait, request.body)
         return HttpResponse(status=204)
     return JsonResponse(claimed(job))
@@ -208,16 +212,16 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
     it (its worker is unknown, disabled or at its lease cap by now: a 401, 403
     or 429). Stops at the first claim that finds nothing: the rest wait on.
 
-    Each claim is the view's (authentication, then ``claim_next``, each its
-    own transaction), on the caller's thread, without running the request
-    through HTTP parsing and middleware again: for a wave of hundreds of
-    waiting workers that was most of the cost (BENCHMARKS.md, row 15).
+    Each claim is the view's (the worker's authentication, then
+    ``claim_next``, its own transaction), on the caller's thread, without
+    running the request through HTTP parsing and middleware again, and the
+    workers are read in one statement: for a wave of hundreds of waiting
+    workers that was most of the cost (BENCHMARKS.md, row 15).
     """
     cap = settings.RECALL_MAX_LEASES_PER_WORKER
-    for authorization in authorizations:
+    tokens = [bearer_token(authorization) for authorization in authorizations]
+    for worker, now in transitions.authenticate_workers(tokens):
         started = time.perf_counter()
-        token = bearer_token(authorization)
-        worker, now = transitions.authenticate_worker(token) if token else (None, None)
         if (
             worker is None
             or now is None
@@ -227,7 +231,9 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
             yield None
             continue
         transitions.touch_worker(worker, now=now)
-        job = transitions.claim_next(worker, now=now)
+        # Each claim on its own statement's clock: the workers were read
+        # together, the claims come one after another.
+        job = transitions.claim_next(worker)
         if job is None:
             return
         body = JsonResponse(claimed(job)).content

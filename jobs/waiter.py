@@ -5,9 +5,10 @@ The server, not the view, does the waiting: the claim view tries once and, if
 the server offered a ``Waiter`` (``request.META[WAITER_KEY]``, set by the
 gthread worker in ``recall_site/gunicorn_worker.py``), hands the request back
 to it with ``Waiter.park``. The server then holds the connection in its event
-loop (no thread, no database connection) and tries the claim again when its
-one probe per process (``jobs.longpoll.claimable_jobs``) says a job may be
-claimable, or answers the 204 it kept when the wait is over. A server without
+loop (no thread, no database connection) and, when its probe
+(``jobs.longpoll.claimable_jobs``, one per interval for the whole server) says
+a job may be claimable, claims for it with ``jobs.api.claims_for_waiting``;
+or it answers the 204 it kept when the wait is over. A server without
 a waiter (``runserver``, the sync worker, the test client) answers at once, as
 before. No Django imports: gunicorn's master loads this with the worker class.
 """
@@ -31,8 +32,13 @@ class Waiter:
     request asked to wait. The server reads ``parked`` after the view returns.
     """
 
-    def __init__(self, started: float | None = None) -> None:
+    def __init__(self, started: float | None = None, *, quiet: bool = False) -> None:
         self.started = time.monotonic() if started is None else started
+        # The server's probe found nothing claimable less than a probe interval
+        # ago: a claim that may wait is parked without trying, and the next
+        # probe wakes it if work has come since (an idle fleet's polls then
+        # cost no claim statement).
+        self.quiet = quiet
         self.deadline: float | None = None
         self.parked = False
         self.body = b""

@@ -81,6 +81,7 @@ class ThreadWorker(StockThreadWorker):
         self.next_probe = 0.0  # this process asks the database no sooner
         self.next_look = 0.0  # when to read the server's shared answer again
         self.answer_seen = 0.0  # the time of the last shared answer acted on
+        self.answer = (0.0, 0)  # the last shared answer read (time, found)
         self.wake_budget = 0  # claims the last probe said could find work
         self.claiming = False  # a thread is claiming for woken parked claims
         self.failure_logged = {"probe": -math.inf, "claim": -math.inf}
@@ -122,7 +123,9 @@ class ThreadWorker(StockThreadWorker):
     # --- Serving a request (on a thread) ----------------------------------------
 
     def handle_request(self, req, conn):
-        return self._serve(req, conn, Waiter())
+        stamp, found = self.answer
+        quiet = found == 0 and time.monotonic() - stamp < self._probe_interval()
+        return self._serve(req, conn, Waiter(quiet=quiet))
 
     def _keepalive_after(self, conn, keepalive):
         if isinstance(keepalive, Waiter):
@@ -307,7 +310,7 @@ class ThreadWorker(StockThreadWorker):
     def _look(self):
         """Act on the server's newest probe answer, once; start a probe (on a
         thread) when the answer is older than the probe interval."""
-        stamp, found = self._shared_answer()
+        stamp, found = self.answer = self._shared_answer()
         if stamp > self.answer_seen:
             self.answer_seen = stamp
             self.wake_budget = found

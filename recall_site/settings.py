@@ -263,8 +263,9 @@ RECALL_RETRY_BACKOFF_MAX_SECONDS = env.int(
 # Live leases one worker (one token) may hold: a claim beyond it answers 429, so a
 # leaked token cannot drain the queue into leases that then expire.
 RECALL_MAX_LEASES_PER_WORKER = env.int("RECALL_MAX_LEASES_PER_WORKER", default=32)
-# Long-poll claims: how often each server process asks the database whether a
-# parked claim may find work (recall_site/gunicorn_worker.py), while any waits.
+# Long-poll claims: how often the server (its processes share one answer) asks
+# the database whether a parked claim may find work, while any waits
+# (recall_site/gunicorn_worker.py).
 RECALL_LONG_POLL_PROBE_SECONDS = env.float(
     "RECALL_LONG_POLL_PROBE_SECONDS", default=0.25
 )

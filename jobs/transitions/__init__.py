@@ -53,6 +53,7 @@ __all__ = [
     "Purged",
     "acquire_webhook_dispatcher",
     "authenticate_worker",
+    "authenticate_workers",
     "backend",
     "cancel_batch",
     "cancel_batch_chunk",
@@ -121,6 +122,14 @@ def authenticate_worker(token: str) -> tuple[Worker | None, datetime | None]:
     """The worker holding ``token`` (active or not) and the request's time,
     read together (one statement on PostgreSQL); (None, None) if unknown."""
     return backend().authenticate(token)
+
+
+def authenticate_workers(
+    tokens: Sequence[str],
+) -> list[tuple[Worker | None, datetime | None]]:
+    """``authenticate_worker`` for each token, in order, read together (one
+    statement on PostgreSQL): the woken long-poll claims of a server process."""
+    return backend().authenticate_many(tokens)
 
 
 def touch_worker(worker: Worker, *, now: datetime) -> None:

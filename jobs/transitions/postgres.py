@@ -25,7 +25,7 @@ import functools
 import hmac
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from datetime import datetime
 from typing import Any
@@ -91,14 +91,43 @@ class PostgresBackend(OrmBackend):
     def authenticate(self, token: str) -> tuple[Worker | None, datetime | None]:
         if not plausible_worker_token(token):
             return None, None
-        digest = hash_token(token)
         rows = self._fetchall(
             statements.WORKERS_WITH_PREFIX, {"prefix": prefix_of(token)}
         )
+        return self._holder(token, self._workers(rows))
+
+    def authenticate_many(
+        self, tokens: Sequence[str]
+    ) -> list[tuple[Worker | None, datetime | None]]:
+        prefixes = sorted({prefix_of(t) for t in tokens if plausible_worker_token(t)})
+        if not prefixes:
+            return [(None, None)] * len(tokens)
+        rows = self._fetchall(statements.WORKERS_WITH_PREFIXES, {"prefixes": prefixes})
+        workers = self._workers(rows)
+        return [
+            self._holder(token, workers)
+            if plausible_worker_token(token)
+            else (None, None)
+            for token in tokens
+        ]
+
+    def _workers(self, rows: Iterable[Any]) -> list[tuple[Worker, datetime]]:
+        """The workers of ``WORKERS_WITH_PREFIX(ES)`` rows, with their live
+        leases, and the statement's time."""
+        workers = []
         for *columns, live_leases, now in rows:
             worker = self._from_db(Worker, Worker._meta.concrete_fields, columns)
+            worker.live_leases = live_leases
+            workers.append((worker, now))
+        return workers
+
+    @staticmethod
+    def _holder(
+        token: str, workers: Iterable[tuple[Worker, datetime]]
+    ) -> tuple[Worker | None, datetime | None]:
+        digest = hash_token(token)
+        for worker, now in workers:
             if hmac.compare_digest(worker.token_hash, digest):
-                worker.live_leases = live_leases
                 return worker, now
         return None, None
 

@@ -257,6 +257,16 @@ WORKERS_WITH_PREFIX = sql(
     columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
 )
 
+# The same for many tokens at once (the woken long-poll claims of a process).
+WORKERS_WITH_PREFIXES = sql(
+    """SELECT {columns}, (
+        SELECT count(*) FROM {job} j WHERE j.{job.leased_by} = w.{worker.id}
+    ), statement_timestamp()
+    FROM {worker} w
+    WHERE w.{worker.token_prefix} = ANY(%(prefixes)s)""",
+    columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
+)
+
 # --- Claim -----------------------------------------------------------------------
 
 # Is there an expired lease to reclaim, or an interrupted cancel to finish (each

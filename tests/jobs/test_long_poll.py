@@ -4,15 +4,18 @@ holding of parked claims, is tested against real gunicorn in
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import timedelta
 
 import pytest
+from django.test import override_settings
 from django.utils import timezone
 
 from jobs import transitions
+from jobs.api import claims_for_waiting
 from jobs.longpoll import claimable_jobs
-from jobs.models import Job
+from jobs.models import Job, JobStatus
 from jobs.waiter import WAITER_KEY, Waiter
 
 from ..factories import T0, claim, jobs_of, later, make_batch, make_worker
@@ -108,6 +111,22 @@ def test_a_claim_that_finds_work_or_does_not_wait_is_not_parked(api):
     assert waiter.parked is False
 
 
+def test_a_claim_that_may_wait_on_a_quiet_server_is_parked_without_trying(api):
+    """The server's probe found nothing a moment ago: a claim that may wait
+    parks at once (its next probe wakes it if work has come since); one that
+    may not wait, or a server not quiet, claims as always."""
+    batch = make_batch(1)
+
+    quiet = Waiter(quiet=True)
+    response = _claim_with(api, {"wait_seconds": 30}, quiet)
+    assert (response.status_code, quiet.parked) == (204, True)
+    assert Job.objects.get().status == JobStatus.QUEUED
+
+    response = _claim_with(api, {}, Waiter(quiet=True))
+    assert response.status_code == 200
+    assert response.json()["job"]["id"] == jobs_of(batch)[0].pk
+
+
 def test_a_wait_counts_from_the_first_arrival_and_ends():
     waiter = Waiter(started=time.monotonic() - 10)
     assert waiter.park(30, b"{}") is True
@@ -130,6 +149,87 @@ def test_the_view_answers_a_claim_whose_wait_is_over(api):
 
     assert response.status_code == 204
     assert waiter.parked is False
+
+
+# --- Claims for woken parked claims -------------------------------------------------
+
+
+def _bearer(worker) -> str:
+    return f"Bearer {worker.token}"
+
+
+def test_woken_claims_get_one_job_each_until_none_is_left(api):
+    """What the server sends a woken claim is the claim view's answer; the
+    claims stop at the first that finds nothing (the rest wait on)."""
+    batch = make_batch(2)
+    first, second, third = (make_worker(f"w{i}") for i in range(3))
+
+    bodies = list(claims_for_waiting(_bearer(w) for w in (first, second, third)))
+
+    assert len(bodies) == 2
+    answers = [json.loads(body) for body in bodies]
+    for worker, answer in zip((first, second), answers, strict=True):
+        job = Job.objects.get(pk=answer["job"]["id"])
+        assert (job.status, job.leased_by_id) == (JobStatus.LEASED, worker.pk)
+        assert answer["job"]["lease_token"] == job.lease_token
+    assert sorted(a["job"]["id"] for a in answers) == [j.pk for j in jobs_of(batch)]
+    # The same shape as a claim the view answers at once.
+    make_batch(1, name="more")
+    direct = api.claim().json()
+    assert answers[0]["job"].keys() == direct["job"].keys()
+    assert answers[0]["job"]["item"].keys() == direct["job"]["item"].keys()
+    assert answers[0]["job"]["batch"] == {"id": batch.pk, "name": batch.name}
+
+
+@pytest.mark.parametrize("backend", ["auto", "orm"])
+def test_workers_read_together_are_each_tokens_holder(backend):
+    """One read for many tokens (the statement backend's one statement, the
+    ORM backend's loop): each token's worker with its live leases, or None."""
+    make_batch(2)
+    busy, idle, off = (make_worker(n) for n in ("busy", "idle", "off"))
+    claim(busy, transitions.now())
+    transitions.set_worker_active(off, False)
+    tokens = [idle.token, "short", busy.token, off.token, busy.token[:-1] + "x"]
+
+    with override_settings(RECALL_TRANSITIONS_BACKEND=backend):
+        found = transitions.authenticate_workers(tokens)
+
+    assert [(w.pk, w.live_leases, w.is_active) if w else None for w, _ in found] == [
+        (idle.pk, 0, True),
+        None,
+        (busy.pk, 1, True),
+        (off.pk, 0, False),
+        None,
+    ]
+    assert all((now is None) == (worker is None) for worker, now in found)
+    assert transitions.authenticate_workers([]) == []
+
+
+def test_a_woken_claim_of_a_refused_worker_goes_back_to_the_view(settings):
+    """Unknown token, a malformed header, a disabled worker, one at its lease
+    cap: None (the view answers 401, 403 or 429), and the next claims go on."""
+    settings.RECALL_MAX_LEASES_PER_WORKER = 1
+    batch = make_batch(3)
+    disabled, capped, ready = (make_worker(n) for n in ("off", "full", "ready"))
+    transitions.set_worker_active(disabled, False)
+    assert claim(capped, transitions.now()) is not None
+
+    answers = list(
+        claims_for_waiting(
+            [
+                "Bearer not-a-token",
+                "Basic dXNlcjpwYXNz",
+                _bearer(disabled),
+                _bearer(capped),
+                _bearer(ready),
+            ]
+        )
+    )
+
+    assert answers[:4] == [None, None, None, None]
+    job = Job.objects.get(pk=json.loads(answers[4])["job"]["id"])
+    assert job.leased_by_id == ready.pk
+    assert Job.objects.filter(batch=batch, status=JobStatus.LEASED).count() == 2
 
 
 # --- The probe -----------------------------------------------------------------------
