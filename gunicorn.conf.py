@@ -19,6 +19,7 @@ counts folded into an archive (``jobs/metric_files.py``).
 """
 
 import contextlib
+import glob
 import os
 import shutil
 import tempfile
@@ -95,9 +96,10 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
-    from recall_site.gunicorn_worker import probe_file
+    from recall_site.gunicorn_worker import nudge_socket, probe_file
 
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(probe_file(os.getpid()))
+    for path in [probe_file(os.getpid()), *glob.glob(nudge_socket(os.getpid(), "*"))]:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
     if METRICS_DIR == OWN_METRICS_DIR:
         shutil.rmtree(METRICS_DIR, ignore_errors=True)

@@ -15,9 +15,11 @@ worker keeps the connection in its event loop (no thread, no database
 connection) with the 204 the view answered. While any claim is parked, a probe
 asks the database how many jobs claims could take, once per
 ``RECALL_LONG_POLL_PROBE_SECONDS`` for the whole server: the processes share
-the answer through a locked file, which each reads every ``LOOK_SECONDS``, and
-whichever finds it old asks again. Then one thread per process claims for that
-many of its parked claims, oldest first, one after another
+the answer through a locked file, which each reads when it turns old; the
+first to get the lock asks again, and one that finds work nudges the others
+(a datagram to each one's socket beside the file) to read it at once. Then
+one thread per process claims for that many of its parked claims, oldest
+first, one after another
 (``jobs.api.claims_for_waiting``: the view's authentication and claim, without
 the HTTP and middleware work again), and answers each 200 as soon as it has its
 job; when a claim finds nothing, the rest wait on. A claim whose wait is over
@@ -36,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import glob
 import io
 import math
 import os
@@ -54,14 +57,16 @@ from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
 
 from jobs.waiter import WAITER_KEY, Waiter
 
-# How often a process with parked claims reads the server's probe answer: a
-# file read, no database. One process's probe wakes the claims of all.
-LOOK_SECONDS = 0.05
-
 
 def probe_file(master_pid: int) -> str:
     """The file where one server's processes share their probe's answer."""
     return os.path.join(tempfile.gettempdir(), f"recall-long-poll-{master_pid}")
+
+
+def nudge_socket(master_pid: int, pid: int | str) -> str:
+    """The datagram socket where a process of the server hears that another's
+    probe found work."""
+    return f"{probe_file(master_pid)}-{pid}.sock"
 
 
 class Held:
@@ -281,6 +286,52 @@ class ThreadWorker(StockThreadWorker):
         # A pipelined request: it is read after this claim is answered.
         self.poller.unregister(conn.sock)
 
+    def run(self):
+        self.nudges = self._listen_for_nudges()
+        try:
+            super().run()
+        finally:
+            self.nudges.close()
+            with contextlib.suppress(OSError):
+                os.remove(nudge_socket(self.ppid, self.pid))
+
+    def _listen_for_nudges(self) -> socket.socket:
+        nudges = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        path = nudge_socket(self.ppid, self.pid)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)  # a socket left by an earlier process of this pid
+        nudges.bind(path)
+        nudges.setblocking(False)
+        self.poller.register(nudges, selectors.EVENT_READ, self._on_nudge)
+        return nudges
+
+    def _on_nudge(self, sock):
+        """Another process's probe found work: read its answer now."""
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while True:
+                sock.recv(16)
+        if self.parked:
+            self._look()
+
+    def _nudge_others(self) -> None:
+        """Tell the server's other processes that the shared answer found work
+        (on the probing thread). A socket no process listens on any more (one
+        killed) is removed."""
+        own = nudge_socket(self.ppid, self.pid)
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sender.setblocking(False)
+        with sender:
+            for path in glob.glob(glob.escape(probe_file(self.ppid)) + "-*.sock"):
+                if path == own:
+                    continue
+                try:
+                    sender.sendto(b"!", path)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                except (BlockingIOError, OSError):
+                    pass  # its queue is full: it has been nudged already
+
     def wait_for_and_dispatch_events(self, timeout):
         if self.parked:
             now = time.monotonic()
@@ -304,24 +355,30 @@ class ThreadWorker(StockThreadWorker):
             waiter = self._unpark(conn)
             self._submit(conn, self._answer_held, conn, waiter)
         if self.parked and now >= self.next_look:
-            self.next_look = now + min(LOOK_SECONDS, self._probe_interval())
             self._look()
 
     def _look(self):
         """Act on the server's newest probe answer, once; start a probe (on a
-        thread) when the answer is older than the probe interval."""
+        thread) when the answer is older than the probe interval, or look
+        again when it will be."""
         stamp, found = self.answer = self._shared_answer()
         if stamp > self.answer_seen:
             self.answer_seen = stamp
             self.wake_budget = found
             self._wake()
         now = time.monotonic()
-        due = now - stamp >= self._probe_interval()
-        if due and not self.probing and now >= self.next_probe:
+        interval = self._probe_interval()
+        if self.probing:
+            self.next_look = math.inf  # _probed looks again
+            return
+        if now - stamp >= interval and now >= self.next_probe:
+            self.next_look = math.inf
             self.probing = True
             self.busy += 1
             fs = self.tpool.submit(self._probe)
             fs.add_done_callback(lambda fut: self.method_queue.defer(self._probed, fut))
+        else:
+            self.next_look = max(stamp + interval, self.next_probe, now + 0.01)
 
     def _probed(self, fs):
         self.busy -= 1
@@ -473,6 +530,9 @@ class ThreadWorker(StockThreadWorker):
                 shared.seek(0)
                 shared.truncate()
                 shared.write(f"{asked} {found}".encode())
+                shared.flush()
+        if found:
+            self._nudge_others()
 
     def _ask_database(self) -> int | None:
         from django.db import close_old_connections

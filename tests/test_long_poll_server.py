@@ -7,6 +7,7 @@ heartbeats go on at full speed."""
 
 from __future__ import annotations
 
+import glob
 import http.client
 import json
 import signal
@@ -19,6 +20,7 @@ from django.utils import timezone
 
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, Worker
+from recall_site.gunicorn_worker import probe_file
 
 from .factories import assert_consistent, jobs_of, make_batch, make_worker
 from .test_server import backends, start_server
@@ -214,6 +216,9 @@ def test_a_stopping_server_answers_its_waiting_claims_at_once(server):
 
     assert [(status, body) for status, body, _ in answers] == [(204, None)] * 6
     assert time.monotonic() - stopped < 5  # not the 30 s wait, nor the grace
+    # The shared probe answer and each process's nudge socket go with it.
+    process.wait(timeout=30)
+    assert glob.glob(probe_file(process.pid) + "*") == []
 
 
 def test_many_waiting_claims_hold_no_thread_and_do_not_slow_heartbeats(server):
