@@ -287,20 +287,30 @@ class ThreadWorker(StockThreadWorker):
         self.poller.unregister(conn.sock)
 
     def run(self):
-        self.nudges = self._listen_for_nudges()
+        nudges = self._listen_for_nudges()
         try:
             super().run()
         finally:
-            self.nudges.close()
-            with contextlib.suppress(OSError):
-                os.remove(nudge_socket(self.ppid, self.pid))
+            if nudges is not None:
+                nudges.close()
+                with contextlib.suppress(OSError):
+                    os.remove(nudge_socket(self.ppid, self.pid))
 
-    def _listen_for_nudges(self) -> socket.socket:
-        nudges = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    def _listen_for_nudges(self) -> socket.socket | None:
+        """This process's nudge socket, or None if it cannot have one (a
+        temporary directory whose path is too long for a socket, say): then
+        it learns of another's probe when the answer turns old, up to one
+        probe interval later."""
         path = nudge_socket(self.ppid, self.pid)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)  # a socket left by an earlier process of this pid
-        nudges.bind(path)
+        nudges = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)  # a socket left by an earlier process of this pid
+            nudges.bind(path)
+        except OSError as error:
+            nudges.close()
+            self.log.warning("long-poll: no nudge socket at %s (%r)", path, error)
+            return None
         nudges.setblocking(False)
         self.poller.register(nudges, selectors.EVENT_READ, self._on_nudge)
         return nudges

@@ -367,3 +367,31 @@ def test_a_worker_disabled_while_it_waits_is_refused_when_work_comes(server):
     assert body["error"] == "forbidden"
     assert took < 5
     assert not Lease.objects.exists()
+
+
+def test_without_nudge_sockets_a_waiting_claim_is_still_woken(tmp_path):
+    """A temporary directory too long for a socket's path: the processes go
+    without nudges and learn of work when the shared answer turns old."""
+    long_tmp = tmp_path / ("t" * 120)
+    long_tmp.mkdir()
+    process, port, log = start_server(
+        tmp_path, PROCESSES, THREADS, env={"TMPDIR": str(long_tmp)}
+    )
+    try:
+        worker = make_worker()
+        waiting = Waiting(port, worker, 30)
+        parked(worker)
+
+        batch = make_batch(1, now=timezone.now())
+        created = time.monotonic()
+        status, body, _ = waiting.answer()
+
+        assert status == 200
+        assert body["job"]["id"] == jobs_of(batch)[0].pk
+        assert time.monotonic() - created < 2
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    text = log.read_text()
+    assert "no nudge socket" in text
+    assert "Traceback" not in text, text
