@@ -1183,11 +1183,12 @@ def purge_while_claiming(bench: Bench) -> None:
         for i in range(batches)
     ]
     Batch.objects.filter(pk__in=old).update(finished_at=now - timedelta(days=31))
-    # Enough queued work that the claimers outlast the purge.
+    # Enough queued work that the claimers outlast the time before the purge
+    # (at most about 1,000 claims a second here) and the purge.
     side = seed.batch(
         "bench-purge-side",
         now=now - timedelta(seconds=1),
-        queued=max(2_000, items // 2),
+        queued=max(2_000, items // 2 + int(1_000 * bench.sizes.purge_baseline_seconds)),
         priority=20,
     )
     workers = _workers(bench.p)
@@ -1513,6 +1514,12 @@ def main(argv: list[str] | None = None) -> int:
         help="finished items scenario 17 purges (default 200,000; 1000000 for 1M)",
     )
     parser.add_argument(
+        "--purge-baseline-seconds",
+        type=float,
+        help="how long scenario 17 times the claims before the purge starts "
+        "(default 20; as long as the purge tells its tail from the machine's)",
+    )
+    parser.add_argument(
         "--database-url", help="measure this PostgreSQL (default: a private server)"
     )
     parser.add_argument(
@@ -1543,6 +1550,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes.sustain_seconds = args.sustain_minutes * 60
     if args.purge_items is not None:
         sizes.purge_items = args.purge_items
+    if args.purge_baseline_seconds is not None:
+        sizes.purge_baseline_seconds = args.purge_baseline_seconds
     wanted = {n.strip() for n in args.only.split(",") if n.strip()} or set(SCENARIOS)
     unknown = wanted - set(SCENARIOS) - set(ALIASES)
     if unknown:
