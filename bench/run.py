@@ -1184,11 +1184,12 @@ def purge_while_claiming(bench: Bench) -> None:
     ]
     Batch.objects.filter(pk__in=old).update(finished_at=now - timedelta(days=31))
     # Enough queued work that the claimers outlast the time before the purge
-    # (at most about 1,000 claims a second here) and the purge.
+    # and the purge (at most about 1,000 claims a second here, and at least
+    # as many claims as items purged: a paced purge ran them dry at half).
     side = seed.batch(
         "bench-purge-side",
         now=now - timedelta(seconds=1),
-        queued=max(2_000, items // 2 + int(1_000 * bench.sizes.purge_baseline_seconds)),
+        queued=max(2_000, items + int(1_000 * bench.sizes.purge_baseline_seconds)),
         priority=20,
     )
     workers = _workers(bench.p)
