@@ -241,6 +241,7 @@ def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
 
 # --- Workers ---------------------------------------------------------------------
 
+
 # Every API request authenticates its worker by the token's clear prefix, and
 # takes with it the request's time from the database and how many live leases
 # the worker holds (its cap), at no round trip more.
@@ -248,24 +249,22 @@ def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
 # leased (a check constraint). Not "AND status = 'leased'": that let PostgreSQL
 # walk every live lease's expiry index instead of this worker's own (3 ms, not
 # 0.05, with 10,000 live leases).
-WORKERS_WITH_PREFIX = sql(
-    """SELECT {columns}, (
-        SELECT count(*) FROM {job} j WHERE j.{job.leased_by} = w.{worker.id}
-    ), statement_timestamp()
-    FROM {worker} w
-    WHERE w.{worker.token_prefix} = %(prefix)s""",
-    columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
-)
+def _workers_where(condition: str) -> str:
+    """Workers (every column), the leases each holds, and the statement's time."""
+    return sql(
+        """SELECT {columns}, (
+            SELECT count(*) FROM {job} j WHERE j.{job.leased_by} = w.{worker.id}
+        ), statement_timestamp()
+        FROM {worker} w
+        WHERE """
+        + condition,
+        columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
+    )
 
+
+WORKERS_WITH_PREFIX = _workers_where("w.{worker.token_prefix} = %(prefix)s")
 # The same for many tokens at once (the woken long-poll claims of a process).
-WORKERS_WITH_PREFIXES = sql(
-    """SELECT {columns}, (
-        SELECT count(*) FROM {job} j WHERE j.{job.leased_by} = w.{worker.id}
-    ), statement_timestamp()
-    FROM {worker} w
-    WHERE w.{worker.token_prefix} = ANY(%(prefixes)s)""",
-    columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
-)
+WORKERS_WITH_PREFIXES = _workers_where("w.{worker.token_prefix} = ANY(%(prefixes)s)")
 
 # --- Claim -----------------------------------------------------------------------
 
