@@ -63,6 +63,15 @@ def probe_file(master_pid: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"recall-long-poll-{master_pid}")
 
 
+def read_answer(shared) -> tuple[float, int]:
+    """The probe answer in the open file ``shared``: (``time.monotonic()`` when
+    it was asked, how many claims may find work); (0, 0) if there is none."""
+    last = os.pread(shared.fileno(), 64, 0).split()
+    if len(last) != 2:
+        return 0.0, 0
+    return float(last[0]), int(last[1])
+
+
 def nudge_socket(master_pid: int, pid: int | str) -> str:
     """The datagram socket where a process of the server hears that another's
     probe found work."""
@@ -516,12 +525,9 @@ class ThreadWorker(StockThreadWorker):
         except BlockingIOError:
             return 0.0, 0
         try:
-            last = os.pread(self.shared.fileno(), 64, 0).split()
+            return read_answer(self.shared)
         finally:
             fcntl.flock(self.shared, fcntl.LOCK_UN)
-        if len(last) != 2:
-            return 0.0, 0
-        return float(last[0]), int(last[1])
 
     def _probe(self) -> None:
         """Ask the database how many parked claims may find work, for the whole
@@ -529,10 +535,8 @@ class ThreadWorker(StockThreadWorker):
         file's lock, unless another process just did."""
         with open(probe_file(self.ppid), "a+b") as shared:
             fcntl.flock(shared, fcntl.LOCK_EX)  # released when the file closes
-            last = os.pread(shared.fileno(), 64, 0).split()
-            if len(last) == 2 and (
-                time.monotonic() - float(last[0]) < self._probe_interval()
-            ):
+            stamp, _ = read_answer(shared)
+            if time.monotonic() - stamp < self._probe_interval():
                 return
             asked = time.monotonic()
             found = self._ask_database()
@@ -540,8 +544,7 @@ class ThreadWorker(StockThreadWorker):
                 shared.seek(0)
                 shared.truncate()
                 shared.write(f"{asked} {found}".encode())
-                shared.flush()
-        if found:
+        if found:  # the file is closed (written, unlocked): the others read it
             self._nudge_others()
 
     def _ask_database(self) -> int | None:
