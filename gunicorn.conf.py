@@ -89,6 +89,26 @@ def on_starting(server):
         connections.close_all()
 
 
+def post_worker_init(worker):
+    """Recall is loaded in this worker: take its start-up objects out of the
+    garbage collector's reach (``gc.freeze``).
+
+    A Django process holds some 80,000 objects once loaded, and every full
+    collection walks them all: about 40 ms of CPU here, while no other thread
+    of the process runs. On a busy machine such a pause stretches to several
+    hundred milliseconds: they were the slowest claims of the purge bench
+    (BENCHMARKS.md, row 17). Objects made at start-up live as long as the
+    process, so walking them again and again finds nothing. The URLconf is
+    loaded first, so that every view is frozen too.
+    """
+    import gc
+
+    from django.urls import get_resolver
+
+    get_resolver().url_patterns  # noqa: B018 (imports every view)
+    gc.freeze()
+
+
 def child_exit(server, worker):
     from jobs import metric_files
 

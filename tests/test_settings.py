@@ -159,6 +159,29 @@ def test_gunicorn_runs_threads():
     assert config(RECALL_WEB_THREADS="1") == ["sync", cores + 1, 1, "1"]
 
 
+def test_gunicorn_workers_freeze_their_start_up_objects():
+    # The hook as a worker runs it, once Recall is loaded: the views are
+    # imported and every object so far is out of the collector's reach.
+    run_hook = (
+        "import gc, runpy, sys, django; django.setup(); "
+        "c = runpy.run_path('gunicorn.conf.py'); "
+        "assert gc.get_freeze_count() == 0 and 'jobs.api' not in sys.modules; "
+        "c['post_worker_init'](None); "
+        "print(gc.get_freeze_count(), 'jobs.api' in sys.modules, "
+        "len(gc.get_objects()) < 100)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", run_hook], cwd=ROOT,
+        env={**PRODUCTION, "DJANGO_SETTINGS_MODULE": "recall_site.settings"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+    assert result.returncode == 0, result.stderr
+    frozen, views, left = result.stdout.split()
+    assert int(frozen) > 10_000
+    assert (views, left) == ("True", "True")
+
+
 SHOW_RETENTION = (
     "from django.conf import settings; print(settings.RECALL_RETENTION_DAYS, "
     "settings.RECALL_RETENTION_PURGE_PER_SWEEP)"
