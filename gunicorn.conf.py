@@ -65,8 +65,11 @@ STARTUP_SWEEP = os.environ.get("RECALL_STARTUP_SWEEP", "full")
 
 def on_starting(server):
     from jobs import metric_files
+    from recall_site.gunicorn_worker import remove_leftovers
 
     metric_files.prepare(METRICS_DIR)
+    for path in remove_leftovers():
+        server.log.info("removed %s, left by a server no longer running", path)
     if STARTUP_SWEEP == "off":
         return
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "recall_site.settings")

@@ -42,6 +42,7 @@ import glob
 import io
 import math
 import os
+import re
 import selectors
 import socket
 import sys
@@ -76,6 +77,33 @@ def nudge_socket(master_pid: int, pid: int | str) -> str:
     """The datagram socket where a process of the server hears that another's
     probe found work."""
     return f"{probe_file(master_pid)}-{pid}.sock"
+
+
+def remove_leftovers() -> list[str]:
+    """Remove the probe files and nudge sockets of servers whose master is no
+    longer running (a master killed outright never ran ``on_exit``); return
+    their paths. A master that still runs, or runs as another user, keeps its
+    own."""
+    removed = []
+    prefix = probe_file(0)[:-1]
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        named = re.fullmatch(r"(\d+)(-\d+\.sock)?", path[len(prefix) :])
+        if named is None or _running(int(named[1])):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class Held:

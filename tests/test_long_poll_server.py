@@ -11,6 +11,7 @@ import contextlib
 import glob
 import http.client
 import json
+import os
 import signal
 import socket
 import threading
@@ -392,3 +393,42 @@ def test_without_nudge_sockets_a_waiting_claim_is_still_woken(tmp_path):
     with serving(tmp_path, {"TMPDIR": str(long_tmp)}) as (_, port, log):
         woken_by_a_new_batch(port)
     assert "no nudge socket" in log.read_text()
+
+
+def test_a_server_killed_outright_leaves_files_the_next_one_removes(tmp_path):
+    """A master killed with SIGKILL (power loss) never runs ``on_exit``: its
+    probe file and its processes' nudge sockets stay. The next server to start
+    with the same temporary directory removes them, and long-poll works."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp_path / "first").mkdir()
+    process, port, _ = start_server(
+        tmp_path / "first", PROCESSES, THREADS, env={"TMPDIR": str(tmp)}
+    )
+    answer = tmp / os.path.basename(probe_file(process.pid))
+    client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        worker = make_worker("gpu-killed-with-its-server")
+        client.request(
+            "POST",
+            "/api/v1/claim",
+            json.dumps({"wait_seconds": 30}),
+            {"Authorization": f"Bearer {worker.token}"},
+        )
+        parked(worker)
+        deadline = time.monotonic() + 10
+        while not answer.exists():  # the first probe writes it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        left = {str(answer), *glob.glob(f"{answer}-*.sock")}
+        assert len(left) == 1 + PROCESSES
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the master and its processes
+        process.wait(timeout=30)
+        client.close()
+    assert all(os.path.exists(path) for path in left)
+
+    with serving(tmp_path, {"TMPDIR": str(tmp)}) as (_, port, log):
+        assert not any(os.path.exists(path) for path in left)
+        assert log.read_text().count("left by a server no longer running") == len(left)
+        woken_by_a_new_batch(port)
