@@ -127,6 +127,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "connect_timeout", connect_timeout
     )
+    # Server-side cursors (QuerySet.iterator(), used by the background intake)
+    # live in one transaction's connection, which PgBouncer's transaction
+    # pooling does not keep: Django's documentation asks to turn them off there.
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = env.bool(
+        "DATABASE_DISABLE_SERVER_SIDE_CURSORS", default=False
+    )
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {

@@ -103,7 +103,8 @@ def test_the_key_file_is_not_used_with_another_database(tmp_path):
 
 SHOW_DATABASE = (
     "import json; from django.conf import settings; d = settings.DATABASES['default']; "
-    "print(json.dumps({'pool': d['OPTIONS'].get('pool'), 'age': d['CONN_MAX_AGE']}))"
+    "print(json.dumps({'pool': d['OPTIONS'].get('pool'), 'age': d['CONN_MAX_AGE'], "
+    "'cursors': not d.get('DISABLE_SERVER_SIDE_CURSORS', False)}))"
 )
 
 
@@ -122,19 +123,28 @@ def test_the_web_servers_threads_keep_persistent_connections_not_a_pool():
         CONN_MAX_AGE="600",
     )
 
-    assert threaded == {"pool": None, "age": 600}
+    assert threaded == {"pool": None, "age": 600, "cursors": True}
 
 
 def test_commands_and_the_cluster_keep_a_persistent_connection():
     plain = database_settings(DATABASE_URL="postgres://recall@db.example.com/recall")
 
-    assert plain == {"pool": None, "age": 60}
+    assert plain == {"pool": None, "age": 60, "cursors": True}
+
+
+def test_server_side_cursors_can_be_turned_off_for_transaction_pooling():
+    behind_pgbouncer = database_settings(
+        DATABASE_URL="postgres://recall@pgbouncer.example.com/recall",
+        DATABASE_DISABLE_SERVER_SIDE_CURSORS="on",
+    )
+
+    assert behind_pgbouncer == {"pool": None, "age": 60, "cursors": False}
 
 
 def test_sqlite_never_gets_a_pool():
     sqlite = database_settings(RECALL_WEB_THREADS="8")
 
-    assert sqlite == {"pool": None, "age": 60}
+    assert sqlite == {"pool": None, "age": 60, "cursors": True}
 
 
 def test_gunicorn_runs_threads():

@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import connection
 from django_q.models import OrmQ
 
 from batches import background
@@ -95,6 +96,31 @@ def test_the_task_creates_the_same_batch_as_create_batch(small_chunks, monkeypat
     assert batch.total_ms == reference.total_ms
     assert not IntakeChunk.objects.exists()  # the pieces go once it is done
     assert_consistent()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("disabled", [False, True])
+def test_behind_transaction_pooling_the_task_reads_without_a_server_cursor(
+    small_chunks, monkeypatch, disabled
+):
+    # DATABASE_DISABLE_SERVER_SIDE_CURSORS=on (PgBouncer's transaction mode).
+    monkeypatch.setitem(
+        connection.settings_dict, "DISABLE_SERVER_SIDE_CURSORS", disabled
+    )
+    named = []
+    create_cursor = connection.create_cursor
+
+    def recording(name=None):
+        named.append(name)
+        return create_cursor(name)
+
+    monkeypatch.setattr(connection, "create_cursor", recording)
+    intake = background.start_intake("Calls", upload(manifest(300)))
+
+    assert run_intake(intake.pk).startswith("done: batch ")
+
+    assert Batch.objects.get(pk=Intake.objects.get(pk=intake.pk).batch_id).total == 300
+    assert any(named) is not disabled  # a named cursor is a server-side one
 
 
 def test_a_bad_manifest_fails_with_every_line_and_creates_nothing(small_chunks):
