@@ -99,8 +99,9 @@ def post_worker_init(worker):
     A Django process holds some 80,000 objects once loaded, and every full
     collection walks them all: about 40 ms of CPU here, while no other thread
     of the process runs. On a busy machine such a pause stretches to several
-    hundred milliseconds: they were the slowest claims of the purge bench
-    (BENCHMARKS.md, row 17). Objects made at start-up live as long as the
+    hundred milliseconds: in the bench's claiming processes, which stand for
+    web workers, they were the slowest claims (BENCHMARKS.md, row 17). Objects
+    made at start-up live as long as the
     process, so walking them again and again finds nothing. The URLconf is
     loaded first, so that every view is frozen too.
     """
