@@ -209,8 +209,9 @@ def _drain(errors: list[LineError]) -> Iterator[LineError]:
         yield errors.pop(0)
 
 
-def _source_problem(source: str) -> str | None:
-    """Why ``source`` cannot be handed to an engine, or None.
+def _source_problem(source: str, *, sent: int = 0) -> str | None:
+    """Why ``source`` cannot be handed to an engine, or None (``sent``: the
+    length of the value as sent, before the spaces around it were stripped).
 
     Sources end up on engines' command lines and in logs and pages: control
     and format characters (Unicode Cc and Cf: bidi overrides spoof what an
@@ -219,7 +220,7 @@ def _source_problem(source: str) -> str | None:
     """
     if not source:
         return "the source is empty"
-    if len(source) > MAX_SOURCE_CHARS:
+    if max(len(source), sent) > MAX_SOURCE_CHARS:
         return f"the source is longer than {MAX_SOURCE_CHARS} characters"
     for char in source:
         category = unicodedata.category(char)
@@ -305,10 +306,13 @@ def validate_manifest(lines: Iterable[bytes | str]) -> tuple[int, list[LineError
 
 
 def check_name(name: str) -> str:
+    """The name without the spaces around it. Its length counts them (the
+    operator API's schema limits the value sent)."""
+    too_long = len(name) > MAX_NAME_CHARS
     name = name.strip()
     if not name:
         raise ManifestInvalid([LineError(0, "the batch needs a name")])
-    if len(name) > MAX_NAME_CHARS or any(ord(c) < 32 for c in name):
+    if too_long or any(ord(c) < 32 for c in name):
         raise ManifestInvalid(
             [
                 LineError(
@@ -408,8 +412,9 @@ def item_entry(index: int, item: object) -> Entry | ItemError:
     source = item.get("source")
     if not isinstance(source, str):
         return ItemError(index, "'source' must be a string")
-    source = source.strip()
-    if problem := _source_problem(source):
+    sent, source = len(source), source.strip()
+    # The schema's limit is on the value sent, spaces around it included.
+    if problem := _source_problem(source, sent=sent):
         return ItemError(index, problem)
     duration_ms = None
     seconds = item.get("duration_seconds")

@@ -428,11 +428,13 @@ def batch_retry(
             f"Unknown field(s) {', '.join(repr(u) for u in unknown)}; a retry "
             f"takes only 'source_contains'."
         )
-    search = field(body, "source_contains", str, required=False, default="").strip()
+    search = field(body, "source_contains", str, required=False, default="")
+    # As the schema says: the value sent, spaces around it included.
     if len(search) > MAX_SEARCH_CHARS:
         raise bad_request(
             f"Field 'source_contains' must be at most {MAX_SEARCH_CHARS} characters."
         )
+    search = search.strip()
     batch = _batch(batch_id)
     if batch.cancelled_at:
         raise ApiError(

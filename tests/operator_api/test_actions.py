@@ -131,6 +131,10 @@ def test_a_cancelled_batch_cannot_be_retried(operator_api):
             {"source_contains": "x" * 201},
             "Field 'source_contains' must be at most 200 characters.",
         ),
+        (  # the schema's limit is on the value sent, spaces included
+            {"source_contains": "\r" + "x" * 200},
+            "Field 'source_contains' must be at most 200 characters.",
+        ),
     ],
 )
 def test_a_bad_retry_body_is_400(operator_api, body, detail):

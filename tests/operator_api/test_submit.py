@@ -177,6 +177,10 @@ def test_the_manifest_limit_on_items_applies(operator_api, settings):
             {"name": "x" * 201, "items": ITEMS},
             "Nothing was created: the name must be at most 200 printable characters.",
         ),
+        (  # the schema's limit is on the value sent, spaces included
+            {"name": " " + "x" * 200, "items": ITEMS},
+            "Nothing was created: the name must be at most 200 printable characters.",
+        ),
         (
             {"name": "x", "items": []},
             "1 problem(s) with the items; nothing was created. the batch has no items.",
@@ -206,6 +210,23 @@ def test_the_manifest_limit_on_items_applies(operator_api, settings):
 def test_bad_fields_are_400_and_nothing_is_created(operator_api, body, detail):
     assert _bad(operator_api.post("/api/v1/batches", body))["detail"] == detail
     assert Batch.objects.count() == 0
+
+
+def test_a_source_is_as_long_as_it_was_sent(operator_api):
+    # The schema's maxLength counts the spaces the intake strips.
+    longest = "/calls/" + "a" * 4089  # 4,096 characters
+    over = {"name": "x", "items": [{"source": f" {longest}"}]}
+    body = _bad(operator_api.post("/api/v1/batches", over))
+
+    assert body["errors"] == [
+        {"index": 0, "message": "the source is longer than 4096 characters"}
+    ]
+    assert Batch.objects.count() == 0
+    created = operator_api.post(
+        "/api/v1/batches", {"name": "x", "items": [{"source": longest}]}
+    )
+    assert created.status_code == 201
+    assert BatchItem.objects.get().source == longest
 
 
 @pytest.mark.parametrize(
