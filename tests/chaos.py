@@ -599,11 +599,14 @@ def _verdict(
         else max(1, len(check.stdout.strip().splitlines()) - 1)
     )
     server_errors = unavailable = crashes = 0
+    evidence: list[str] = []  # printed when there is any: what to look at
     for access_log in sorted(work.glob("access*.log")):
-        errors, documented = _http_errors(access_log)
+        errors, documented, lines = _http_errors(access_log)
         server_errors, unavailable = server_errors + errors, unavailable + documented
+        evidence += [f"{access_log.name}: {line}" for line in lines]
     for log in sorted(work.glob("gunicorn*.log")):
         crashes += _count(log, "Internal Server Error") + _count(log, "Traceback")
+        evidence += _crash_reports(log)
     fivexx = server_errors + crashes
     webhooks, webhooks_ok = _webhook_figures(url, receiver)
     print(
@@ -618,6 +621,8 @@ def _verdict(
     )
     if check.returncode != 0:
         print(check.stdout, flush=True)
+    if fivexx:  # the first few, short enough to show in a failed test's output
+        print("chaos: the 5xx and crashes:", *evidence[:6], sep="\n", flush=True)
     fair = _fair_share(url, shares)
     ok = (
         lost == duplicated == mismatched == fivexx == 0
@@ -672,16 +677,31 @@ def _fair_share(url: str, shares: Shares) -> bool:
     return fair
 
 
-def _http_errors(access_log: Path) -> tuple[int, int]:
-    """(5xx other than 503, 503) in gunicorn's access log."""
-    errors = unavailable = 0
+def _http_errors(access_log: Path) -> tuple[int, int, list[str]]:
+    """(5xx other than 503, 503, the lines of the former) in gunicorn's access log."""
+    errors, unavailable, lines = 0, 0, []
     if access_log.exists():
-        for match in re.finditer(r'" (5\d\d) ', access_log.read_text(errors="replace")):
+        for line in access_log.read_text(errors="replace").splitlines():
+            match = re.search(r'" (5\d\d) ', line)
+            if match is None:
+                continue
             if match.group(1) == "503":
                 unavailable += 1
             else:
                 errors += 1
-    return errors, unavailable
+                lines.append(line)
+    return errors, unavailable, lines
+
+
+def _crash_reports(log: Path) -> list[str]:
+    """Each "Internal Server Error" or traceback in a server log, with the 20
+    lines after it."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return [
+        f"{log.name}: " + "\n".join(lines[at : at + 20])
+        for at, line in enumerate(lines)
+        if "Internal Server Error" in line or "Traceback" in line
+    ]
 
 
 def _count(path: Path, needle: str) -> int:

@@ -33,7 +33,7 @@ def test_a_short_chaos_run_loses_nothing_and_lies_about_nothing():
         for line in result.stdout.splitlines()
         if re.match(r"chaos: \d+ jobs", line)
     ]
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
     assert len(summary) == 1
     assert re.search(
         r"1 db restart, lost 0, duplicated 0, mismatched 0, 5xx 0", summary[0]
