@@ -58,10 +58,12 @@ from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
 
 from jobs.waiter import WAITER_KEY, Waiter
 
+PROBE_FILE_PREFIX = "recall-long-poll-"
+
 
 def probe_file(master_pid: int) -> str:
     """The file where one server's processes share their probe's answer."""
-    return os.path.join(tempfile.gettempdir(), f"recall-long-poll-{master_pid}")
+    return os.path.join(tempfile.gettempdir(), f"{PROBE_FILE_PREFIX}{master_pid}")
 
 
 def read_answer(shared) -> tuple[float, int]:
@@ -85,7 +87,7 @@ def remove_leftovers() -> list[str]:
     their paths. A master that still runs, or runs as another user, keeps its
     own."""
     removed = []
-    prefix = probe_file(0)[:-1]
+    prefix = os.path.join(tempfile.gettempdir(), PROBE_FILE_PREFIX)
     for path in glob.glob(glob.escape(prefix) + "*"):
         named = re.fullmatch(r"(\d+)(-\d+\.sock)?", path[len(prefix) :])
         if named is None or _running(int(named[1])):
