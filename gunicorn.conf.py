@@ -101,9 +101,9 @@ def post_worker_init(worker):
     of the process runs. On a busy machine such a pause stretches to several
     hundred milliseconds: in the bench's claiming processes, which stand for
     web workers, they were the slowest claims (BENCHMARKS.md, row 17). Objects
-    made at start-up live as long as the
-    process, so walking them again and again finds nothing. The URLconf is
-    loaded first, so that every view is frozen too.
+    made at start-up live as long as the process, so walking them again and
+    again finds nothing. The URLconf is loaded first, so that every view is
+    frozen too.
     """
     import gc
 

@@ -605,8 +605,9 @@ def _verdict(
         server_errors, unavailable = server_errors + errors, unavailable + documented
         evidence += [f"{access_log.name}: {line}" for line in lines]
     for log in sorted(work.glob("gunicorn*.log")):
-        crashes += _count(log, "Internal Server Error") + _count(log, "Traceback")
-        evidence += _crash_reports(log)
+        reports = _crash_reports(log)
+        crashes += len(reports)
+        evidence += reports
     fivexx = server_errors + crashes
     webhooks, webhooks_ok = _webhook_figures(url, receiver)
     print(
@@ -702,10 +703,6 @@ def _crash_reports(log: Path) -> list[str]:
         for at, line in enumerate(lines)
         if "Internal Server Error" in line or "Traceback" in line
     ]
-
-
-def _count(path: Path, needle: str) -> int:
-    return path.read_text(errors="replace").count(needle) if path.exists() else 0
 
 
 def _skewed_clock(offset: str) -> dict[str, str]:
