@@ -78,11 +78,15 @@ def on_starting(server):
     django.setup()
     from django.db import connections
 
+    from jobs.exceptions import DATABASE_DOWN
     from jobs.sweep import sweep
 
     try:
         report = sweep(full=STARTUP_SWEEP == "full")
         server.log.info("start-up sweep done: %s", report["reclaimed"])
+    except DATABASE_DOWN as error:
+        # An outage, not a bug: one line, as the API's 503s log it.
+        server.log.error("start-up sweep failed, database unavailable: %s", error)
     except Exception:
         # Serve anyway: the scheduled sweep retries, and /readyz reports a sweep
         # that has not run.
