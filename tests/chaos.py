@@ -622,6 +622,24 @@ def _verdict(
     )
     if check.returncode != 0:
         print(check.stdout, flush=True)
+    if lost:
+        print("chaos: the lost items and their leases:", flush=True)
+        for source, status in statuses.items():
+            if source == POISON or status == "done":
+                continue
+            if source in cancelled_sources and status == "cancelled":
+                continue
+            print(f"  {source}: {status}", flush=True)
+            for row in _query(
+                url,
+                "SELECT l.attempt, w.name, l.claimed_at, l.ended_at, l.end_reason, "
+                "left(l.error, 200) FROM jobs_lease l "
+                "JOIN jobs_job j ON j.id = l.job_id "
+                "JOIN batches_batchitem i ON i.id = j.item_id "
+                "JOIN jobs_worker w ON w.id = l.worker_id "
+                f"WHERE i.source = '{source}' ORDER BY l.attempt",
+            ):
+                print("    lease", *row, flush=True)
     if fivexx:  # the first few, short enough to show in a failed test's output
         print("chaos: the 5xx and crashes:", *evidence[:6], sep="\n", flush=True)
     fair = _fair_share(url, shares)
