@@ -1,6 +1,11 @@
 """Idempotent batch submission: the same Idempotency-Key from the same user
 within IDEMPOTENCY_TTL gets the batch the first request created.
 
+Expired keys are deleted as their users come back (the unique constraint
+would refuse the new row otherwise) and, for users who never do, by
+``forget_expired``, which django-q2 runs every hour (schedule
+``recall-idempotency-keys``).
+
 The key's row is inserted first, in the transaction that creates the batch, so
 the unique constraint on (user, key) decides a race: on PostgreSQL the twin's
 insert waits for the winner's commit, fails, and the twin answers with the
@@ -60,6 +65,27 @@ def submit_once(
         if existing is None:
             raise
         return existing, False
+
+
+def forget_expired(*, now: datetime, chunk: int = 5_000) -> int:
+    """Delete the keys older than IDEMPOTENCY_TTL, ``chunk`` rows per
+    statement (each its own transaction, through the ``created_at`` index);
+    returns how many went. An expired key answers nothing, so deleting it
+    changes no submission's outcome."""
+    cutoff = now - IDEMPOTENCY_TTL
+    forgotten = 0
+    while True:
+        ids = list(
+            IdempotencyKey.objects.filter(created_at__lte=cutoff)
+            .order_by("created_at")
+            .values_list("pk", flat=True)[:chunk]
+        )
+        if not ids:
+            return forgotten
+        deleted, _ = IdempotencyKey.objects.filter(
+            pk__in=ids, created_at__lte=cutoff
+        ).delete()
+        forgotten += deleted
 
 
 def _live_key(user, key: str, digest: str, now: datetime) -> Batch | None:

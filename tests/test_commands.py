@@ -6,6 +6,7 @@ import json
 import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
+from django.utils.module_loading import import_string
 from django_q.models import Schedule
 
 from batches.models import Batch
@@ -139,6 +140,18 @@ def test_the_sweep_schedule_exists_after_migrate():
         1,
         -1,
     )
+
+
+def test_the_idempotency_keys_schedule_exists_after_migrate_and_runs():
+    schedule = Schedule.objects.get(name="recall-idempotency-keys")
+
+    assert (schedule.func, schedule.schedule_type, schedule.repeats) == (
+        "operator_api.tasks.forget_expired_keys",
+        Schedule.HOURLY,
+        -1,
+    )
+    # What django-q2 calls: nothing has expired, so nothing is forgotten.
+    assert import_string(schedule.func)() == 0
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from django.db import connection
 from batches.models import Batch, BatchItem
 from jobs import transitions
 from jobs.models import Job
-from operator_api.idempotency import body_hash
+from operator_api.idempotency import body_hash, forget_expired
 from operator_api.models import IdempotencyKey
 
 from ..factories import is_postgres, make_user
@@ -319,6 +319,28 @@ def test_a_key_older_than_24_hours_makes_a_new_batch(operator_api):
     # The expired row was replaced, not kept beside the new one.
     assert IdempotencyKey.objects.count() == 1
     assert IdempotencyKey.objects.get().batch_id == response.json()["batch"]["id"]
+
+
+def test_expired_keys_are_forgotten_for_users_who_never_come_back(operator_api):
+    other = ApiClient(token_for(make_user("other-operator", "Operators")))
+    for key in ("a", "b", "c"):
+        _submit(operator_api, key)
+    _submit(other, "d")
+    now = transitions.now()
+    # "a" and "d" are past the TTL, "b" at it to the microsecond, "c" within it.
+    ages = {"a": 30, "b": 24, "c": 23, "d": 25}
+    for key, hours in ages.items():
+        IdempotencyKey.objects.filter(key=key).update(
+            created_at=now - timedelta(hours=hours)
+        )
+
+    forgotten = forget_expired(now=now, chunk=2)
+
+    assert forgotten == 3
+    assert list(IdempotencyKey.objects.values_list("key", flat=True)) == ["c"]
+    # Their batches stay; only the keys are gone.
+    assert Batch.objects.count() == 4
+    assert forget_expired(now=now) == 0
 
 
 def test_an_invalid_submission_keeps_no_key(operator_api):
