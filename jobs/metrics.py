@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property, wraps
+from functools import cached_property, partial, wraps
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -43,6 +43,7 @@ from batches.progress import BatchState
 from . import fleet, metric_files, transitions
 from .exceptions import DATABASE_DOWN
 from .models import JobStatus, RepairKind
+from .waiter import WAITER_KEY, Waiter
 
 # --- Figures from the database ------------------------------------------------------
 #
@@ -256,7 +257,9 @@ def request_metrics() -> RequestMetrics:
 def observed(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
     """Count a worker API view's requests by endpoint (the view's name) and
     status, and time claims. A lost database counts as the 503 it becomes
-    (DatabaseUnavailableMiddleware)."""
+    (DatabaseUnavailableMiddleware). A claim the view parked (long-poll) is not
+    answered yet: the server counts it when it sends the kept 204
+    (``Waiter.on_answer``), or ``claims_for_waiting`` when it sends a 200."""
     endpoint = view.__name__
 
     @wraps(view)
@@ -271,7 +274,14 @@ def observed(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
             status = 503
             raise
         finally:
-            count_request(endpoint, status, time.perf_counter() - started)
+            count = partial(
+                count_request, endpoint, status, time.perf_counter() - started
+            )
+            waiter = request.META.get(WAITER_KEY)
+            if isinstance(waiter, Waiter) and waiter.parked:
+                waiter.on_answer = count
+            else:
+                count()
 
     return wrapper
 

@@ -16,6 +16,7 @@ before. No Django imports: gunicorn's master loads this with the worker class.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 WAITER_KEY = "recall.waiter"
@@ -45,6 +46,10 @@ class Waiter:
         # The server's own state for this request (its parsed request, the
         # response kept for the deadline); the view never reads it.
         self.held: Any = None
+        # Set by the view's request metrics when it parks: the server calls it
+        # once it has sent the kept answer, so a claim that waited counts once,
+        # with the status its client got (a woken claim's 200 counts itself).
+        self.on_answer: Callable[[], None] | None = None
 
     def park(self, wait_seconds: float, body: bytes) -> bool:
         """Hold this request until a job may be claimable or ``wait_seconds``

@@ -264,6 +264,8 @@ class ThreadWorker(StockThreadWorker):
                 for chunk in held.chunks:
                     held.resp.write(chunk)
                 held.resp.close()
+                if waiter.on_answer is not None:
+                    waiter.on_answer()
             finally:
                 self.log.access(
                     held.resp, held.req, held.environ, datetime.now() - held.started

@@ -25,6 +25,7 @@ from jobs.models import Job, JobStatus, Lease, Worker
 from recall_site.gunicorn_worker import probe_file
 
 from .factories import assert_consistent, jobs_of, make_batch, make_worker
+from .observability.conftest import samples
 from .test_server import backends, start_server
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -184,6 +185,43 @@ def test_a_wait_that_finds_nothing_ends_with_204(server):
     status, body, took = post(port, worker, "claim", {})
     assert (status, body) == (204, None)
     assert took < 1
+
+
+def test_a_claim_that_waited_is_counted_once_with_the_status_it_got(tmp_path):
+    """The request metrics count a waiting claim when it is answered: a woken
+    claim one 200, a wait that ends one 204 (not also the 204 the view kept
+    when it parked); and the claim time is the server's work, not the wait."""
+    env = {
+        "RECALL_METRICS_TOKEN": "long-poll-metrics-token",
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
+    }
+    with serving(tmp_path, env) as (_, port, _):
+        woken_by_a_new_batch(port)
+        status, _, took = post(
+            port, make_worker("patient"), "claim", {"wait_seconds": 1.5}
+        )
+        assert status == 204 and took >= 1.5
+
+        client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        client.request(
+            "GET",
+            "/metrics",
+            headers={"Authorization": f"Bearer {env['RECALL_METRICS_TOKEN']}"},
+        )
+        response = client.getresponse()
+        scrape = samples(response.read())
+        client.close()
+
+    assert response.status == 200
+    counted = {
+        dict(key[1:])["status"]: value
+        for key, value in scrape.items()
+        if key[0] == "recall_api_requests_total"
+        and dict(key[1:])["endpoint"] == "claim"
+    }
+    assert counted == {"200": 1.0, "204": 1.0}
+    assert scrape[("recall_claim_seconds_count",)] == 2.0
+    assert scrape[("recall_claim_seconds_sum",)] < 1.0
 
 
 def test_bad_waits_are_400_through_the_server(server):
