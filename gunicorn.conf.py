@@ -46,6 +46,15 @@ keepalive = 5
 # Recycle workers now and then so a slow leak can never grow without bound.
 max_requests = 20_000
 max_requests_jitter = 2_000
+# gunicorn's control socket (``gunicornc``) is one path per user by default
+# ($XDG_RUNTIME_DIR/gunicorn.ctl or $HOME/.gunicorn/gunicorn.ctl), which each
+# master binds again after every fork: two Recall nodes on one host took it
+# from each other, and the first to stop removed it for both. Off unless
+# RECALL_CONTROL_SOCKET names this master's own path.
+if os.environ.get("RECALL_CONTROL_SOCKET"):
+    control_socket = os.environ["RECALL_CONTROL_SOCKET"]
+else:
+    control_socket_disable = True
 accesslog = os.environ.get("RECALL_ACCESS_LOG", "-")
 errorlog = "-"
 if os.environ.get("LOG_FORMAT", "text") == "json":

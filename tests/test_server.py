@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -187,3 +188,38 @@ def test_a_process_with_no_free_thread_takes_no_new_connection(tmp_path):
         process.wait(timeout=30)
 
     assert max(took) < 1.0, took
+
+
+def test_a_master_has_a_control_socket_only_at_a_path_of_its_own(tmp_path):
+    """gunicorn's default control socket is one path for every master of a
+    user, each taking it over: Recall's masters have none unless
+    RECALL_CONTROL_SOCKET names one, and two named ones live side by side."""
+    dirs = [tmp_path / name for name in ("a", "b", "plain")]
+    for path in dirs:
+        path.mkdir()
+    ctl = [dirs[0] / "gunicorn.ctl", dirs[1] / "gunicorn.ctl"]
+    servers = [
+        start_server(dirs[0], 1, 2, env={"RECALL_CONTROL_SOCKET": str(ctl[0])}),
+        start_server(dirs[1], 1, 2, env={"RECALL_CONTROL_SOCKET": str(ctl[1])}),
+        start_server(dirs[2], 1, 2),
+    ]
+    try:
+
+        def listening(path, log) -> bool:
+            return f"Control socket listening at {path}" in log.read_text()
+
+        deadline = time.monotonic() + 30
+        while not all(listening(p, s[2]) for p, s in zip(ctl, servers, strict=False)):
+            assert time.monotonic() < deadline, [s[2].read_text() for s in servers]
+            time.sleep(0.05)
+        assert all(stat.S_ISSOCK(path.stat().st_mode) for path in ctl)
+        assert "Control socket" not in servers[2][2].read_text()
+
+        servers[0][0].terminate()
+        servers[0][0].wait(timeout=30)
+        assert not ctl[0].exists()
+        assert stat.S_ISSOCK(ctl[1].stat().st_mode)
+    finally:
+        for process, _, _ in servers:
+            process.terminate()
+            process.wait(timeout=30)
