@@ -36,6 +36,7 @@ from jobs.models import (
 )
 from jobs.reconcile import reconcile
 from jobs.sweep import sweep
+from jobs.tokens import TOKEN_PREFIX_LENGTH
 
 from ..factories import T0, make_batch
 
@@ -67,6 +68,8 @@ Op = tuple[Any, ...]
 class World:
     now: datetime = T0
     workers: list[Worker] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)  # each worker's current token
+    replaced: list[str] = field(default_factory=list)  # tokens rotated away
     batches: list[Batch] = field(default_factory=list)
     actor: User | None = None
     # Every lease handed out, in order: (job id, worker index, token).
@@ -92,7 +95,10 @@ def reset() -> None:
 def build() -> World:
     world = World()
     world.actor = User.objects.get_or_create(username="differential-admin")[0]
-    world.workers = [transitions.create_worker(f"w{i}")[0] for i in range(WORKERS)]
+    for i in range(WORKERS):
+        worker, token = transitions.create_worker(f"w{i}")
+        world.workers.append(worker)
+        world.tokens.append(token)
     # An endpoint for every event type, so the outbox's deliveries are compared.
     transitions.create_webhook_endpoint(
         "https://receiver.example/hooks",
@@ -125,6 +131,8 @@ class NoLease(Exception):
 
 
 def _claim(world: World, w: int) -> Any:
+    if not world.workers[w].is_active:
+        return "forbidden"  # the API's 403: a disabled worker never claims
     job = transitions.claim_next(world.workers[w], now=world.now)
     if job is None:
         return None
@@ -172,6 +180,46 @@ def _fail(world: World, k: int, retryable: bool) -> Any:
 def _release(world: World, k: int) -> Any:
     job_id, worker, token = _lease(world, k)
     return transitions.release(job_id, token, worker=worker, now=world.now)
+
+
+def _authenticate(world: World) -> Any:
+    """Every kind of token a request may bear (each worker's own, the ones
+    rotated away, a known prefix with a wrong secret, an unknown one, one too
+    short to look up), read one by one (a request) and together (a woken
+    long-poll wave): who holds each, active or not, with how many live
+    leases, and whether the request's time came with it."""
+    tokens = [
+        *world.tokens,
+        *world.replaced,
+        world.tokens[0][:TOKEN_PREFIX_LENGTH] + "-not-the-secret",
+        "no-worker-holds-this-token",
+        "short",
+    ]
+    one_by_one = [_holder(*transitions.authenticate_worker(t)) for t in tokens]
+    together = [_holder(*answer) for answer in transitions.authenticate_workers(tokens)]
+    return one_by_one, together
+
+
+def _holder(worker: Worker | None, now: datetime | None) -> Any:
+    if worker is None:
+        return None if now is None else ("time without a worker", now)
+    return worker.pk, worker.is_active, worker.live_leases, isinstance(now, datetime)
+
+
+def _rotate(world: World, w: int) -> None:
+    world.replaced.append(world.tokens[w])
+    world.tokens[w] = transitions.rotate_worker_token(world.workers[w])
+
+
+def _disable(world: World, w: int) -> Any:
+    jobs = transitions.disable_and_reclaim(
+        world.workers[w], actor=world.actor, now=world.now
+    )
+    return [job.pk for job in jobs]
+
+
+def _enable(world: World, w: int) -> Any:
+    return transitions.set_worker_active(world.workers[w], True)
 
 
 def _tick(world: World, seconds: int) -> None:
@@ -301,6 +349,10 @@ _APPLY = {
     "stray_lease": _stray_lease,
     "drop_ledger_row": _drop_ledger_row,
     "exhaust": _exhaust,
+    "authenticate": _authenticate,
+    "rotate": _rotate,
+    "disable": _disable,
+    "enable": _enable,
 }
 ITEM_STATUSES = tuple(ItemStatus.values)
 

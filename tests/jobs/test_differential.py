@@ -7,8 +7,9 @@ ledger, counters, throughput buckets, events, tallies, batches and workers
 must be equal (tokens and webhook ids normalised), including the webhook
 outbox (events and deliveries). The named cases cover every transition and
 the unusual paths (stale tokens, replays, backoff, the last attempt, forced
-reclaim, cancel mid-flight, retry, drifted rows healed on the way); the
-Hypothesis state machine then tries sequences nobody thought of.
+reclaim, cancel mid-flight, retry, drifted rows healed on the way) and
+worker authentication (one token and a wave of them); the Hypothesis state
+machine then tries sequences nobody thought of.
 """
 
 from __future__ import annotations
@@ -194,6 +195,24 @@ CASES = {
         ("reclaim", 2),
         ("sweep",),
     ],
+    "worker tokens: held leases, a rotated token, a disabled worker": [
+        ("authenticate",),
+        ("claim", 0),
+        ("claim", 0),
+        ("claim", 1),
+        ("authenticate",),
+        ("rotate", 1),
+        ("authenticate",),
+        ("disable", 0),
+        ("claim", 0),
+        ("heartbeat", 0),
+        ("authenticate",),
+        ("enable", 0),
+        ("enable", 0),
+        ("claim", 0),
+        ("complete", 3),
+        ("authenticate",),
+    ],
 }
 
 
@@ -310,6 +329,18 @@ class BackendsAgree(RuleBasedStateMachine):
     @rule()
     def reconcile(self):
         self._do("reconcile")
+
+    @rule()
+    def authenticate(self):
+        self._do("authenticate")
+
+    @rule(w=st.integers(0, 2))
+    def rotate(self, w):
+        self._do("rotate", w)
+
+    @rule(w=st.integers(0, 2), enable=st.booleans())
+    def disable_or_enable(self, w, enable):
+        self._do("enable" if enable else "disable", w)
 
     def teardown(self):
         _assert_backends_agree(getattr(self, "program", []))
