@@ -41,7 +41,6 @@ def start_server(
     s = connection.settings_dict
     port = free_port()
     env = {
-        **(env or {}),
         "PATH": os.environ["PATH"],
         "SECRET_KEY": os.environ["SECRET_KEY"],
         # Named, to tell its connections from any other (a live server's).
@@ -56,6 +55,7 @@ def start_server(
         "WEB_CONCURRENCY": str(processes),
         "RECALL_WEB_THREADS": str(threads),
         "RECALL_ACCESS_LOG": str(tmp_path / "access.log"),
+        **(env or {}),
     }
     log = tmp_path / "gunicorn.log"
     with open(log, "wb") as out:
@@ -223,3 +223,28 @@ def test_a_master_has_a_control_socket_only_at_a_path_of_its_own(tmp_path):
         for process, _, _ in servers:
             process.terminate()
             process.wait(timeout=30)
+
+
+def test_a_database_down_at_start_up_is_one_line_and_the_server_serves(tmp_path):
+    """The start-up sweep cannot reach the database: the master logs one line
+    (a traceback is what the chaos verdict counts as a crash), starts its
+    workers all the same, and /readyz answers why it is not ready."""
+    down = f"postgres://root@127.0.0.1:{free_port()}/recall"
+    process, port, log = start_server(
+        tmp_path, 1, 2, env={"DATABASE_URL": down, "RECALL_STARTUP_SWEEP": "full"}
+    )
+    try:
+        probe = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        probe.request("GET", "/readyz")
+        response = probe.getresponse()
+        body = json.loads(response.read())
+        probe.close()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+    assert response.status == 503
+    assert body["reasons"] == ["database unreachable: OperationalError"]
+    text = log.read_text()
+    assert text.count("start-up sweep failed, database unavailable: ") == 1
+    assert "Traceback" not in text
