@@ -38,24 +38,27 @@ def _backoff_delay():
     return module.backoff_delay
 
 
-class Fleet:
-    """The fleet as the benchmark drives it: start, count polls, hear of
-    claims, stop."""
+class FleetProcess:
+    """A simulated fleet in a process of its own, as the benchmark drives it:
+    start, count its claims sent and its errors, hear of the jobs it claims,
+    stop. ``target(*args, polls=, errors=, claims=, stop=, **shared)`` runs the
+    fleet in the new process."""
 
-    def __init__(self, host: str, port: int, tokens: list[str], *, poll_min, poll_max):
+    def __init__(self, target, *args, **shared):
         context = multiprocessing.get_context("spawn")
         self.polls = context.Value("q", 0)
         self.errors = context.Value("q", 0)
         self.claims = context.Queue()
         self.stop_event = context.Event()
         self.process = context.Process(
-            target=_main,
-            args=(host, port, tokens, poll_min, poll_max),
+            target=target,
+            args=args,
             kwargs={
                 "polls": self.polls,
                 "errors": self.errors,
                 "claims": self.claims,
                 "stop": self.stop_event,
+                **shared,
             },
             daemon=True,
         )
@@ -67,11 +70,44 @@ class Fleet:
         """(time.time() when the claim answered, job id) of the next claim."""
         return self.claims.get(timeout=timeout)
 
-    def stop(self) -> None:
-        self.stop_event.set()
+    def join(self) -> None:
+        """Wait for the process to end (after ``stop_event``); kill a laggard."""
         self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.kill()
+
+
+async def post(
+    host: str, port: int, token: str, path: str, body: dict, *, timeout: float = 60
+) -> tuple[int, bytes]:
+    """One worker API call on a new connection, as urllib makes them:
+    (status, body)."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+            + data
+        )
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), timeout=timeout)
+    finally:
+        writer.close()
+    head, _, payload = response.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), payload
+
+
+class Fleet(FleetProcess):
+    """The polling fleet."""
+
+    def __init__(self, host: str, port: int, tokens: list[str], *, poll_min, poll_max):
+        super().__init__(_main, host, port, tokens, poll_min, poll_max)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join()
 
 
 def _main(host, port, tokens, poll_min, poll_max, *, polls, errors, claims, stop):
@@ -83,29 +119,12 @@ def _main(host, port, tokens, poll_min, poll_max, *, polls, errors, claims, stop
 async def _fleet(host, port, tokens, poll_min, poll_max, polls, errors, claims, stop):
     backoff_delay = _backoff_delay()
 
-    async def post(token: str, path: str, body: dict) -> tuple[int, bytes]:
-        data = json.dumps(body).encode()
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(
-                f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
-                f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-                + data
-            )
-            await writer.drain()
-            response = await asyncio.wait_for(reader.read(), timeout=60)
-        finally:
-            writer.close()
-        head, _, payload = response.partition(b"\r\n\r\n")
-        return int(head.split(b" ", 2)[1]), payload
-
     async def worker(token: str) -> None:
         pauses = IDLE_FOR_LONG
         await asyncio.sleep(random.uniform(0, poll_max))
         while True:
             try:
-                status, payload = await post(token, "/api/v1/claim", {})
+                status, payload = await post(host, port, token, "/api/v1/claim", {})
             except (TimeoutError, OSError, ValueError, IndexError):
                 status, payload = 0, b""
             polls.value += 1
@@ -113,6 +132,8 @@ async def _fleet(host, port, tokens, poll_min, poll_max, polls, errors, claims, 
                 job = json.loads(payload)["job"]
                 claims.put((time.time(), job["id"]))
                 await post(
+                    host,
+                    port,
                     token,
                     f"/api/v1/jobs/{job['id']}/complete",
                     {"lease_token": job["lease_token"], "result": {"text": ""}},

@@ -20,9 +20,11 @@ import multiprocessing
 import random
 import time
 
+from .fleet import FleetProcess, post
 
-class LongPollFleet:
-    """Start, count claims sent, hear of claims, stop and collect heartbeats."""
+
+class LongPollFleet(FleetProcess):
+    """The long-polling fleet, and the heartbeats' latencies at its end."""
 
     def __init__(
         self,
@@ -36,40 +38,20 @@ class LongPollFleet:
         spread: float,
     ):
         context = multiprocessing.get_context("spawn")
-        self.polls = context.Value("q", 0)
-        self.errors = context.Value("q", 0)
-        self.claims = context.Queue()
         self.beats = context.Queue()
-        self.stop_event = context.Event()
         self.go = context.Event()  # the waiting workers start (the beaters at once)
-        self.process = context.Process(
-            target=_main,
-            args=(host, port, tokens, leases, wait, interval, spread),
-            kwargs={
-                "polls": self.polls,
-                "errors": self.errors,
-                "claims": self.claims,
-                "beats": self.beats,
-                "stop": self.stop_event,
-                "go": self.go,
-            },
-            daemon=True,
+        super().__init__(
+            _main,
+            *(host, port, tokens, leases, wait, interval, spread),
+            beats=self.beats,
+            go=self.go,
         )
-
-    def start(self) -> None:
-        self.process.start()
-
-    def next_claim(self, timeout: float) -> tuple[float, int]:
-        """(time.time() when the claim answered, job id) of the next claim."""
-        return self.claims.get(timeout=timeout)
 
     def stop(self) -> list[tuple[float, float]]:
         """Stop; every heartbeat's (time.time() when sent, latency in seconds)."""
         self.stop_event.set()
         latencies = self.beats.get(timeout=120)
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.kill()
+        self.join()
         return latencies
 
 
@@ -82,23 +64,6 @@ async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
     beats, stop, go = shared["beats"], shared["stop"], shared["go"]
     latencies: list[tuple[float, float]] = []
 
-    async def post(token: str, path: str, body: dict, timeout: float = 60):
-        data = json.dumps(body).encode()
-        reader, writer = await asyncio.open_connection(host, port)
-        try:
-            writer.write(
-                f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
-                f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
-                + data
-            )
-            await writer.drain()
-            response = await asyncio.wait_for(reader.read(), timeout=timeout)
-        finally:
-            writer.close()
-        head, _, payload = response.partition(b"\r\n\r\n")
-        return int(head.split(b" ", 2)[1]), payload
-
     async def heartbeat(
         token: str, job_id: int, lease_token: str, every: float, *, first: float = 0
     ):
@@ -107,6 +72,8 @@ async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
             sent, started = time.time(), time.monotonic()
             try:
                 status, _ = await post(
+                    host,
+                    port,
                     token,
                     f"/api/v1/jobs/{job_id}/heartbeat",
                     {"lease_token": lease_token},
@@ -125,7 +92,12 @@ async def _fleet(host, port, tokens, leases, wait, interval, spread, **shared):
         while not stop.is_set():
             try:
                 status, payload = await post(
-                    token, "/api/v1/claim", {"wait_seconds": wait}, timeout=wait + 30
+                    host,
+                    port,
+                    token,
+                    "/api/v1/claim",
+                    {"wait_seconds": wait},
+                    timeout=wait + 30,
                 )
             except (TimeoutError, OSError, ValueError, IndexError):
                 status, payload = 0, b""
