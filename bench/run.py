@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from bench.cpu import cpu_seconds
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -911,45 +913,18 @@ def _workers_named(prefix: str, n: int):
     return seed.workers(n, prefix=prefix)
 
 
-def _cpu_seconds(root: int) -> float:
-    """CPU time (s) of a process and all its descendants, the exited ones too
-    (a parent's cutime/cstime holds its reaped children's)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    table: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        # ppid; utime + stime + cutime + cstime
-        table[int(entry)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        if pid in table:
-            total += table[pid][1]
-            stack.extend(children.get(pid, []))
-    return total / tick
-
-
 def _server_cpu(bench: Bench, seconds: float) -> dict[str, float]:
     """Percent of one core that gunicorn (master and workers) and the private
     PostgreSQL server (every backend) used over the next ``seconds``."""
     roots = {"gunicorn": bench.server.pid}
     if bench.postmaster:
         roots["PostgreSQL"] = bench.postmaster
-    before = {name: _cpu_seconds(pid) for name, pid in roots.items()}
+    before = {name: cpu_seconds(pid) for name, pid in roots.items()}
     started = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - started
     return {
-        name: 100 * (_cpu_seconds(pid) - before[name]) / elapsed
+        name: 100 * (cpu_seconds(pid) - before[name]) / elapsed
         for name, pid in roots.items()
     }
 
@@ -1027,13 +1002,13 @@ def metrics_scrape(bench: Bench) -> None:
         backend = cursor.fetchone()[0]
     client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")  # loads the URLs
     # /proc counts in ticks (10 ms): the database's share is taken over them all.
-    app, database = time.process_time(), _cpu_seconds(backend)
+    app, database = time.process_time(), cpu_seconds(backend)
     for _ in range(sizes.scrapes):
         response = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {token}")
         if response.status_code != 200:
             raise RuntimeError(f"GET /metrics answered {response.status_code}")
     app = (time.process_time() - app) / sizes.scrapes
-    database = (_cpu_seconds(backend) - database) / sizes.scrapes
+    database = (cpu_seconds(backend) - database) / sizes.scrapes
     fresh = dict(Job.objects.values_list("status").annotate(n=Count("pk")).order_by())
     exact = all(shown[s] == fresh.get(s, 0) for s in shown)
     jobs = sum(fresh.values())

@@ -166,13 +166,13 @@ def _cpu(bench) -> Iterator[dict[str, float]]:
     its background writers included; the caller adds the loops' own as
     ``app``): per-operation costs that hold whatever else runs on the machine,
     unlike wall times."""
-    from bench.run import _cpu_seconds
+    from bench.cpu import cpu_seconds
 
     spent: dict[str, float] = {"app": 0.0}
-    database = _cpu_seconds(bench.postmaster) if bench.postmaster else None
+    database = cpu_seconds(bench.postmaster) if bench.postmaster else None
     yield spent
     if database is not None:
-        spent["database"] = _cpu_seconds(bench.postmaster) - database
+        spent["database"] = cpu_seconds(bench.postmaster) - database
 
 
 def _each(spent: dict[str, float], n: int) -> str:
