@@ -37,17 +37,12 @@ def start_server(
     tmp_path, processes: int, threads: int, *args: str, env: dict | None = None
 ):
     """gunicorn with gunicorn.conf.py (``args`` and ``env`` on top) on the test
-    database."""
-    s = connection.settings_dict
+    database (PostgreSQL, or the embedded SQLite file)."""
     port = free_port()
     env = {
         "PATH": os.environ["PATH"],
         "SECRET_KEY": os.environ["SECRET_KEY"],
-        # Named, to tell its connections from any other (a live server's).
-        "DATABASE_URL": (
-            f"postgres://{s['USER'] or 'root'}@{s['HOST'] or '127.0.0.1'}:"
-            f"{s['PORT'] or 5432}/{s['NAME']}?application_name={APPLICATION}"
-        ),
+        "DATABASE_URL": served_database_url(),
         "RECALL_HTTPS": "off",
         "RECALL_BIND": f"127.0.0.1:{port}",
         "RECALL_STARTUP_SWEEP": "quick",
@@ -69,6 +64,18 @@ def start_server(
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     return process, port, log
+
+
+def served_database_url() -> str:
+    """The test database as the server's DATABASE_URL."""
+    s = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{s['NAME']}"
+    # Named, to tell its connections from any other (a live server's).
+    return (
+        f"postgres://{s['USER'] or 'root'}@{s['HOST'] or '127.0.0.1'}:"
+        f"{s['PORT'] or 5432}/{s['NAME']}?application_name={APPLICATION}"
+    )
 
 
 def _healthy(port: int) -> bool:
