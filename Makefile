@@ -1,6 +1,7 @@
 # Recall: `make demo` shows the whole system working (demo data, simulated workers);
 # `make run` starts it on the embedded SQLite default; `make test` runs the tests
-# (PostgreSQL at TEST_DATABASE_URL, then SQLite). See README.md.
+# (PostgreSQL at TEST_DATABASE_URL, then SQLite); `make docs` builds the documentation
+# site (docs/, mkdocs.yml) into var/site. See README.md.
 
 PYTHON ?= python3
 VENV := .venv
@@ -15,14 +16,14 @@ CHAOS_ITEMS ?= 3000
 # or BENCH_ARGS="--scale 10m" for the ten-million-item run (BENCHMARKS.md).
 BENCH_ARGS ?=
 
-.PHONY: demo run test chaos bench lint typecheck format clean
+.PHONY: demo run test chaos bench docs lint typecheck format clean
 
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	@touch $@
 
-$(VENV)/.dev: requirements.txt requirements-dev.txt requirements-bench.txt $(VENV)/.runtime
+$(VENV)/.dev: requirements.txt requirements-dev.txt requirements-bench.txt requirements-docs.txt $(VENV)/.runtime
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
 	@touch $@
 
@@ -40,6 +41,10 @@ chaos: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(PY) -m bench $(BENCH_ARGS)
+
+# Strict: a broken link or anchor, or a page missing from the nav, fails the build.
+docs: $(VENV)/.dev
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean --site-dir var/site
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

@@ -1,8 +1,9 @@
 """gunicorn settings for Recall: ``gunicorn -c gunicorn.conf.py``.
 
-Every value can be overridden from the environment (see the README). Before the
-first worker starts, the master runs a start-up sweep: expired leases are
-reclaimed and the records reconciled, so a restart after a crash heals first.
+Every value can be overridden from the environment (see
+docs/reference/configuration.md). Before the first worker starts, the master
+runs a start-up sweep: expired leases are reclaimed and the records reconciled,
+so a restart after a crash heals first.
 
 Threads, not processes, carry the requests (the ``gthread`` worker): a request
 that takes long, an export of a million items streaming for a minute or a

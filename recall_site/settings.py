@@ -1,6 +1,6 @@
 """Recall's settings: everything deployment-specific comes from the environment.
 
-Every variable is documented in the README ("Configuration"). The defaults give a
+Every variable is documented in docs/reference/configuration.md. The defaults give a
 one-machine set-up on an embedded SQLite file; production sets DATABASE_URL to
 PostgreSQL, SECRET_KEY and ALLOWED_HOSTS.
 """
@@ -292,7 +292,7 @@ RECALL_STALLED_AFTER_SECONDS = env.int(
 RECALL_THROUGHPUT_RETENTION_HOURS = env.int(
     "RECALL_THROUGHPUT_RETENTION_HOURS", default=48
 )
-# Retention (README "Retention"): when set, each sweep deletes batches finished
+# Retention (docs/guides/retention.md): when set, each sweep deletes batches finished
 # more than this many days ago, at most RECALL_RETENTION_PURGE_PER_SWEEP jobs a
 # pass. Unset (the default): nothing is ever deleted but by recall_purge.
 _retention = env.str("RECALL_RETENTION_DAYS", default="").strip()
@@ -340,7 +340,7 @@ RECALL_SOURCE_SCHEMES = [
     if scheme.strip()
 ]
 
-# --- Webhooks (jobs/webhooks/; README "Webhooks") ---
+# --- Webhooks (jobs/webhooks/; docs/guides/webhooks.md) ---
 # Seconds to wait before each retry of a failed delivery (the Standard Webhooks
 # schedule by default): the first attempt is immediate, then one per delay.
 RECALL_WEBHOOK_RETRY_SECONDS = env.list(

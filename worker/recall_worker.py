@@ -5,7 +5,7 @@ One file, Python 3.11+, standard library only: copy it onto any machine that can
 reach Recall and run it. It claims a job, runs the transcription engine, sends
 heartbeats on a background thread while the engine works, and completes or
 fails the job; forever, until it is stopped. Run ``recall_worker.py --help`` for
-every option; the README's "Reference worker" section explains the rest.
+every option; Recall's docs/reference/worker.md explains the rest.
 
 Guarantees it keeps, and why:
 

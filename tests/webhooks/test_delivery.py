@@ -417,12 +417,14 @@ def test_an_idle_dispatcher_stops_at_once(worker):
     assert not OrmQ.objects.exists()
 
 
-def test_the_readmes_verification_snippet_verifies_a_real_delivery(worker, receiver):
+def test_the_docs_verification_snippet_verifies_a_real_delivery(worker, receiver):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    snippet = re.search(r"To verify, in Python:\n\n```python\n(.*?)```", readme, re.S)
+    page = Path(__file__).resolve().parents[2] / "docs" / "guides" / "webhooks.md"
+    snippet = re.search(
+        r"To verify, in Python:\n\n```python\n(.*?)```", page.read_text(), re.S
+    )
     namespace: dict = {}
     exec(snippet.group(1), namespace)  # the documentation's own code
     endpoint = make_endpoint(receiver.url)

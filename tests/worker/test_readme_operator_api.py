@@ -1,5 +1,6 @@
-"""The README's Operator API examples, run as printed with curl against a live
-server: every curl line must succeed (HTTP 2xx) and do what the text says."""
+"""The Operator API page's examples (docs/reference/operator-api.md), run as
+printed with curl against a live server: every curl line must succeed (HTTP 2xx)
+and do what the text says."""
 
 from __future__ import annotations
 
@@ -26,23 +27,22 @@ pytestmark = [
 ]
 
 
-def readme_examples() -> str:
-    """The shell blocks of the README's Operator API section, before recallctl."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Operator API\n", 1)[1].split("\n### recallctl\n", 1)[0]
-    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.S)
+def page_examples() -> str:
+    """The shell blocks of the Operator API page (recallctl has a page of its own)."""
+    page = (ROOT / "docs" / "reference" / "operator-api.md").read_text()
+    blocks = re.findall(r"```sh\n(.*?)```", page, flags=re.S)
     assert len(blocks) >= 7
     return "\n".join(blocks)
 
 
-def test_the_readmes_curl_examples_work_as_printed(live_server, tmp_path):
+def test_the_docs_curl_examples_work_as_printed(live_server, tmp_path):
     # The examples act on batch 4 and page from batch 1: three batches exist.
     for n in range(3):
         make_batch(2, name=f"earlier-{n}")
     user = make_user("pipeline", "Operators")
     _, token = tokens.issue_token(user, label="readme", now=transitions.now())
     # Every curl fails on an HTTP error (with its body), and the script stops.
-    script = "set -e\n" + readme_examples().replace(
+    script = "set -e\n" + page_examples().replace(
         "curl -s ", "curl -sS --fail-with-body "
     )
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}

@@ -396,7 +396,7 @@ def test_sigkill_of_the_worker_kills_its_engine(start_worker):
             what="the engine to die with its worker",
         )
     finally:
-        # What the engine itself started is not covered (README): clean it up.
+        # What the engine itself started is not covered (docs/reference/worker.md): clean it up.
         for pid in (record["pid"], record["child"]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
