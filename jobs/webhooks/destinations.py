@@ -5,10 +5,16 @@ credentials, no fragment. Every address its host resolves to is checked:
 
 * always refused: link-local (169.254.0.0/16, fe80::/10) and cloud metadata
   addresses (169.254.169.254, fd00:ec2::254, 100.100.100.200, 168.63.129.16...),
-  unspecified, multicast, broadcast and reserved addresses, and IPv6 forms
-  that wrap one of these (IPv4-mapped, 6to4, NAT64);
+  unspecified ("this network", 0.0.0.0/8), multicast, broadcast and reserved
+  addresses, and IPv6 forms that wrap one of these (IPv4-mapped, NAT64, and
+  the tunnel endpoints inside 6to4 and Teredo addresses);
 * refused unless ``RECALL_WEBHOOK_ALLOW_PRIVATE=on``: loopback and private
-  networks (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7, ...).
+  networks (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7, the deprecated
+  site-local fec0::/10, ...), IPv6 forms that wrap one of those, and every
+  address that is not global (Teredo, documentation ranges).
+
+The special ranges are listed here rather than left to ``ipaddress``'s flags,
+whose tables differ between Python releases (3.11.7 calls fec0::/10 global).
 
 If any address is refused, the destination is. The check runs when an
 endpoint is created or changed, and again before every attempt (DNS may
@@ -44,6 +50,16 @@ METADATA = {
 SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
 BROADCAST = ipaddress.ip_address("255.255.255.255")
+# "This network" (RFC 791): Linux connects 0.x.y.z to the local host.
+THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
+TEREDO = ipaddress.ip_network("2001::/32")
+# Not global, whatever this Python's ipaddress says: site-local (deprecated by
+# RFC 3879, routed inside a site like fc00::/7), Teredo (a tunnel, RFC 4380),
+# and the documentation ranges (RFC 3849, RFC 9637).
+NOT_GLOBAL = tuple(
+    ipaddress.ip_network(n)
+    for n in ("fec0::/10", "2001::/32", "2001:db8::/32", "3fff::/20")
+)
 
 
 class DestinationRefused(ValueError):
@@ -93,14 +109,23 @@ def parse(url: str) -> SplitResult:
 
 def refusal(address: IPAddress, *, allow_private: bool) -> str | None:
     """Why Recall will not connect to ``address``, or None if it may."""
-    embedded = _embedded_ipv4(address)
-    if embedded is not None:
-        return refusal(embedded, allow_private=allow_private)
+    translated = _translated_ipv4(address)
+    if translated is not None:  # the packets go to the IPv4 address itself
+        return refusal(translated, allow_private=allow_private)
+    for endpoint in _tunnel_endpoints(address):
+        why = refusal(endpoint, allow_private=allow_private)
+        if why is not None:
+            return f"a tunnel to {endpoint}, {why}"
     if address in METADATA:
         return "a cloud metadata address"
     if address.is_link_local:
         return "a link-local address"
-    if address.is_unspecified or address.is_multicast or address == BROADCAST:
+    if (
+        address.is_unspecified
+        or address.is_multicast
+        or address == BROADCAST
+        or address in THIS_NETWORK
+    ):
         return "not a unicast address"
     private = "(set RECALL_WEBHOOK_ALLOW_PRIVATE=on to allow)"
     if address.is_loopback:  # before is_reserved: ::1 is in a reserved block
@@ -108,22 +133,38 @@ def refusal(address: IPAddress, *, allow_private: bool) -> str | None:
     if address.is_reserved:
         return "a reserved address"
     if not allow_private and (
-        address.is_private or address in SHARED or not address.is_global
+        address.is_private
+        or address in SHARED
+        or not address.is_global
+        or any(address in network for network in NOT_GLOBAL)
     ):
         return f"a private address {private}"
     return None
 
 
-def _embedded_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+def _translated_ipv4(address: IPAddress) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv4-mapped or NAT64 address stands for: the
+    connection ends there, so that address is the one to judge."""
     if not isinstance(address, ipaddress.IPv6Address):
         return None
     if address.ipv4_mapped is not None:
         return address.ipv4_mapped
-    if address.sixtofour is not None:
-        return address.sixtofour
     if address in NAT64:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
+
+
+def _tunnel_endpoints(address: IPAddress) -> tuple[ipaddress.IPv4Address, ...]:
+    """The IPv4 addresses a 6to4 or Teredo address carries: the tunnel
+    delivers there, so each must be acceptable as well as the address."""
+    if not isinstance(address, ipaddress.IPv6Address):
+        return ()
+    if address.sixtofour is not None:
+        return (address.sixtofour,)
+    if address in TEREDO and address.teredo is not None:
+        server, client = address.teredo
+        return (server, client)
+    return ()
 
 
 def resolve(url: str, *, allow_private: bool | None = None) -> Destination:
