@@ -50,6 +50,21 @@ if not DEBUG and (weakness := secret_key.weakness(SECRET_KEY)):
         f"SECRET_KEY is too weak: {weakness}. Generate one with: python3 -c "
         f"'import secrets; print(secrets.token_urlsafe(50))'"
     )
+# Earlier keys, comma-separated, newest first: they still verify what they
+# signed (sessions, password reset links) and decrypt webhook secrets
+# (jobs/webhooks/keys.py), while everything new uses SECRET_KEY. Each is held to
+# SECRET_KEY's rules: a weak fallback is as good as a weak key to an attacker.
+SECRET_KEY_FALLBACKS = [
+    key.strip()
+    for key in env.str("SECRET_KEY_FALLBACKS", default="").split(",")
+    if key.strip()
+]
+for _number, _fallback in enumerate(SECRET_KEY_FALLBACKS, start=1):
+    if not DEBUG and (weakness := secret_key.weakness(_fallback)):
+        raise ImproperlyConfigured(
+            f"SECRET_KEY_FALLBACKS: key {_number} of {len(SECRET_KEY_FALLBACKS)} "
+            f"is too weak: {weakness}. Keys are separated by commas."
+        )
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])

@@ -84,6 +84,7 @@ __all__ = [
     "record_webhook_attempt",
     "recount",
     "redeliver_webhooks",
+    "reencrypt_webhook_secrets",
     "release",
     "release_webhook_dispatcher",
     "reopen_batch",
@@ -489,6 +490,13 @@ def rotate_webhook_secret(
     ``RECALL_WEBHOOK_ROTATION_HOURS``."""
     pk = endpoint if isinstance(endpoint, int) else endpoint.pk
     return webhooks.rotate_secret(pk, now=_now(now))
+
+
+def reencrypt_webhook_secrets() -> webhooks.Reencrypted:
+    """Every endpoint's secrets under the current ``SECRET_KEY`` (those a
+    ``SECRET_KEY_FALLBACKS`` key decrypts are encrypted again); see
+    ``manage.py reencrypt_webhook_secrets``."""
+    return webhooks.reencrypt_secrets()
 
 
 def set_webhook_endpoint_active(

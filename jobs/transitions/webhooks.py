@@ -29,7 +29,14 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
-from jobs.webhooks.keys import SecretUnreadable, decrypt, encrypt, new_secret
+from jobs.webhooks.keys import (
+    SecretUnreadable,
+    decrypt,
+    encrypt,
+    is_current,
+    new_secret,
+    reencrypt,
+)
 
 from .outbox import emit, enqueue_on_commit
 
@@ -85,6 +92,50 @@ def rotate_secret(endpoint_id: int, *, now: datetime) -> str:
             else None,
         )
     return secret
+
+
+@dataclass
+class Reencrypted:
+    """What ``reencrypt_secrets`` did, by endpoint id."""
+
+    changed: list[int]  # now under the current SECRET_KEY (were under a fallback)
+    current: list[int]  # already were
+    unreadable: list[int]  # no key decrypts a secret of theirs: rotate them
+
+
+def reencrypt_secrets() -> Reencrypted:
+    """Re-encrypt every endpoint's secrets (the current one, and the previous
+    one while a rotation lasts) under the current ``SECRET_KEY``, one endpoint
+    per transaction under its row lock, so a concurrent rotation is not
+    overwritten. Afterwards the keys in ``SECRET_KEY_FALLBACKS`` decrypt
+    nothing Recall still needs. Idempotent."""
+    report = Reencrypted(changed=[], current=[], unreadable=[])
+    ids = list(WebhookEndpoint.objects.order_by("pk").values_list("pk", flat=True))
+    for endpoint_id in ids:
+        with transaction.atomic():
+            endpoint = (
+                WebhookEndpoint.objects.select_for_update()
+                .filter(pk=endpoint_id)
+                .first()
+            )
+            if endpoint is None:
+                continue
+            stored = {
+                "secret_encrypted": endpoint.secret_encrypted,
+                "previous_secret_encrypted": endpoint.previous_secret_encrypted,
+            }
+            stale = {k: v for k, v in stored.items() if v and not is_current(v)}
+            if not stale:
+                report.current.append(endpoint_id)
+                continue
+            try:
+                fresh = {k: reencrypt(v) for k, v in stale.items()}
+            except SecretUnreadable:
+                report.unreadable.append(endpoint_id)
+                continue
+            WebhookEndpoint.objects.filter(pk=endpoint_id).update(**fresh)
+            report.changed.append(endpoint_id)
+    return report
 
 
 def signing_secrets(endpoint: WebhookEndpoint, *, now: datetime) -> list[str]:

@@ -5,9 +5,12 @@ format; the receiver verifies with it). Recall must sign with it on every
 delivery, so it cannot keep only a hash: it keeps the secret encrypted
 (Fernet: AES-128-CBC with HMAC-SHA256) under a key derived from ``SECRET_KEY``
 with HKDF. A database dump alone reveals no secret. Keys in
-``SECRET_KEY_FALLBACKS`` still decrypt, so ``SECRET_KEY`` can be rotated the
-way Django rotates it; a secret is re-encrypted under the current key when it
-is rotated.
+``SECRET_KEY_FALLBACKS`` (the environment's comma-separated list) still
+decrypt, so ``SECRET_KEY`` can be rotated the way Django rotates it; new
+encryptions always use the current key. Secrets encrypted under an old key are
+re-encrypted under the current one by ``manage.py reencrypt_webhook_secrets``
+(``reencrypt``), or when the endpoint's secret is rotated; after that the old
+key can leave the fallbacks.
 """
 
 from __future__ import annotations
@@ -55,7 +58,30 @@ def _keys() -> MultiFernet:
 
 
 def encrypt(secret: str) -> str:
+    """Encrypted under the current ``SECRET_KEY`` (never a fallback)."""
     return _keys().encrypt(secret.encode()).decode()
+
+
+def is_current(stored: str) -> bool:
+    """Whether the current ``SECRET_KEY`` alone decrypts ``stored``."""
+    try:
+        _fernet(settings.SECRET_KEY).decrypt(stored.encode())
+    except InvalidToken:
+        return False
+    return True
+
+
+def reencrypt(stored: str) -> str:
+    """``stored`` decrypted with whichever key can (the current one or a
+    fallback) and encrypted again under the current key; SecretUnreadable if
+    none can."""
+    try:
+        return _keys().rotate(stored.encode()).decode()
+    except InvalidToken as error:
+        raise SecretUnreadable(
+            "The webhook secret cannot be decrypted with SECRET_KEY or "
+            "SECRET_KEY_FALLBACKS. Rotate the endpoint's secret."
+        ) from error
 
 
 def decrypt(stored: str) -> str:
