@@ -270,6 +270,9 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
         ),
         "live_leases": Job.objects.filter(status=JobStatus.LEASED).count(),
         "can_export": user.has_perm("batches.export_batch"),
+        # Webhook URLs often carry the receiver's credentials (a path or query
+        # token): only those who may see the endpoints see them whole.
+        "can_see_webhook_urls": user.has_perm("jobs.view_webhookendpoint"),
         "stalled_after": format_duration(settings.RECALL_STALLED_AFTER_SECONDS),
         "nav": "batches",
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 from enum import StrEnum
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import models
@@ -413,6 +414,23 @@ SUBSCRIBABLE_EVENTS = (WebhookEventType.BATCH_FINISHED, WebhookEventType.ITEM_FA
 DEFAULT_EVENTS = (WebhookEventType.BATCH_FINISHED,)
 
 
+def url_origin(url: str) -> str:
+    """A URL's scheme, host and port, nothing else: how an endpoint is shown to
+    people without ``jobs.view_webhookendpoint``. Receivers often take their
+    credentials in the path or the query string (``/hooks/T0K3N``,
+    ``?key=...``), so the rest of the URL is as secret as the signing key."""
+    try:
+        parts = urlsplit(url)
+        scheme, host, port = parts.scheme, parts.hostname, parts.port
+    except ValueError:
+        scheme, host, port = "", None, None
+    if not host or scheme not in ("http", "https"):
+        return "(a URL that cannot be shown)"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}" + (f":{port}" if port else "")
+
+
 class WebhookEndpointQuerySet(models.QuerySet["WebhookEndpoint"]):
     def subscribed_to(self, event_type: str) -> list[WebhookEndpoint]:
         """The active endpoints that take ``event_type`` (endpoints are few: the
@@ -448,7 +466,14 @@ class WebhookEndpoint(models.Model):
         ]
 
     def __str__(self) -> str:
-        return self.url
+        # Only the origin: this is what the admin's inlines, links and log
+        # show, also to people who may not see the endpoint (see url_origin).
+        return f"endpoint {self.pk}: {self.origin}"
+
+    @property
+    def origin(self) -> str:
+        """The URL's scheme, host and port, without its path and query."""
+        return url_origin(self.url)
 
     def event_types(self) -> list[str]:
         return [e for e in self.events.split(",") if e]

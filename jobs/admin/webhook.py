@@ -4,6 +4,7 @@ every delivery attempt."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from weakref import WeakKeyDictionary
 
@@ -38,12 +39,34 @@ from jobs.models import (
     WebhookDelivery,
     WebhookEndpoint,
     WebhookEvent,
+    url_origin,
 )
 from jobs.webhooks.endpoints import EndpointInvalid, check_url, parse_events
 
 # The secret of an endpoint just added, from save_model to response_add of the
 # same request (never stored anywhere else in clear).
 _new_secrets: WeakKeyDictionary[HttpRequest, str] = WeakKeyDictionary()
+
+
+def can_see_endpoint_urls(request: HttpRequest) -> bool:
+    """Whole webhook URLs (which may hold the receiver's credentials) are for
+    those who may see the endpoints; others see scheme, host and port."""
+    return request.user.has_perm("jobs.view_webhookendpoint")
+
+
+def body_without_endpoint_url(body: str) -> str:
+    """A ``webhook.test`` body names its endpoint's URL: keep only its origin.
+    Other bodies, and anything that does not parse, are returned as they are."""
+    try:
+        document = json.loads(body)
+        endpoint = document["data"]["endpoint"]
+        url = endpoint["url"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return body
+    if not isinstance(url, str):
+        return body
+    endpoint["url"] = url_origin(url)
+    return json.dumps(document, separators=(",", ":"))
 
 
 def _endpoints(n: int) -> str:
@@ -318,6 +341,20 @@ class WebhookEventAdmin(BigTableAdmin):
     inlines = (DeliveryInline,)
     actions = ("redeliver",)
 
+    def get_fields(self, request: HttpRequest, obj=None) -> tuple[str, ...]:
+        if can_see_endpoint_urls(request):
+            return self.fields
+        return tuple("body_column" if f == "body" else f for f in self.fields)
+
+    def get_readonly_fields(self, request: HttpRequest, obj=None) -> tuple[str, ...]:
+        return self.get_fields(request, obj)
+
+    @admin.display(description="body")
+    def body_column(self, event: WebhookEvent) -> str:
+        """The body, with the URL of a test event's endpoint cut to its origin
+        (for those who may not see endpoints)."""
+        return body_without_endpoint_url(event.body)
+
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet, search_term: str
     ) -> tuple[QuerySet, bool]:
@@ -405,7 +442,7 @@ class WebhookAttemptAdmin(BigTableAdmin):
     @admin.display(description="endpoint")
     def endpoint_column(self, attempt: WebhookAttempt) -> str:
         endpoint = attempt.delivery.endpoint
-        return link_to_id(WebhookEndpoint, endpoint.pk, endpoint.url)
+        return link_to_id(WebhookEndpoint, endpoint.pk, str(endpoint))
 
     @admin.display(description="error")
     def error_column(self, attempt: WebhookAttempt) -> str:

@@ -48,7 +48,7 @@ from django.conf import settings
 from django_q.tasks import async_task
 
 from .. import transitions
-from ..models import DeliveryStatus, WebhookDelivery
+from ..models import DeliveryStatus, WebhookDelivery, url_origin
 from ..transitions import Claimed, Outcome
 from .destinations import Destination, DestinationRefused, resolve
 from .keys import SecretUnreadable
@@ -167,7 +167,7 @@ def _log(claimed: Claimed, outcome: Outcome, status: str | None) -> None:
         logging.INFO if outcome.delivered else logging.WARNING,
         "webhook %s to %s, attempt %s: %s -> %s",
         delivery.event.webhook_id,
-        delivery.endpoint.url,
+        delivery.endpoint,  # its id and origin: the URL may hold credentials
         claimed.number,
         outcome.status_code or outcome.error,
         status or "lease lost",
@@ -201,7 +201,9 @@ def send(request: Request) -> Outcome:
         reason = str(error) or type(error).__name__
         return Outcome(None, took(), error=f"Connection failed: {reason}")
     except Exception as error:  # a bug must not lose the other attempts' outcomes
-        log.exception("webhook attempt to %s failed unexpectedly", request.url)
+        log.exception(
+            "webhook attempt to %s failed unexpectedly", url_origin(request.url)
+        )
         return Outcome(None, took(), error=f"Unexpected error: {error!r}")
     return Outcome(status, took(), excerpt=excerpt)
 
