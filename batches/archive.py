@@ -4,63 +4,173 @@ One gzipped JSON Lines file per batch: first ``{"batch": {...}}`` (what the
 batch was), then one line per item exactly as the JSON Lines export writes it
 (``batches.exports.jsonl_lines``), then ``{"lease": {...}}`` per lease-ledger
 row, in id order. Read in keyset chunks like the exports, so a million-item
-batch never sits in memory. Written to a temporary file in the same directory
-and renamed into place, so a file under the final name is always whole.
+batch never sits in memory.
+
+The purge deletes a batch only once its archive is safe, so it trusts no file
+it did not write itself, now: the archive is written to a new temporary file
+(created exclusively, mode 600), synced, and linked under its final name,
+which fails if anything (a file, a link, a directory) already has that name;
+the name is never replaced. Its SHA-256 is computed while it is written and
+checked again on the file under the final name (the same inode) before the
+purge goes on, and the purge's report records it. A name already taken stops
+the purge with a clear error (``ArchiveRefused``): a file planted there, or
+left by an earlier run, is never taken for this batch's archive.
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
+import hashlib
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from jobs.models import Lease
 
 from .exports import CHUNK, jsonl_lines
 from .models import Batch, BatchItem
 
+READ_CHUNK = 1 << 20
+
+
+class ArchiveRefused(Exception):
+    """The archive cannot be written, or what is under its name cannot be
+    trusted: nothing of the batch may be deleted. The message says why and
+    what to do. ``report`` is set by the purge that stopped on it."""
+
+    report: Any = None
+
+
+@dataclass(frozen=True)
+class Archive:
+    """An archive this process wrote and checked: where, and its checksum."""
+
+    path: Path
+    sha256: str
+    size: int
+
 
 def archive_path(directory: Path, batch_id: int) -> Path:
     return directory / f"batch-{batch_id}.jsonl.gz"
 
 
-def write_archive(batch: Batch, directory: Path) -> Path:
-    """The batch's archive in ``directory``; returns its path.
-
-    An archive of the same finish of the batch (``Batch.finishes``) already
-    there was written by an earlier purge run before it deleted anything (a
-    run killed part-way), so it holds rows the batch no longer has: it is kept.
-    One of an earlier finish (the batch was reopened and finished again since)
-    is kept under ``batch-<id>.finish-<n>.jsonl.gz`` and a new one written.
-    """
+def write_archive(batch: Batch, directory: Path) -> Archive:
+    """Write the batch's archive in ``directory`` and check it; ArchiveRefused
+    if its name is taken (whatever by) or the file under the name is not the
+    one written."""
     path = archive_path(directory, batch.pk)
-    if path.exists():
-        finishes = _archived_finishes(path)
-        if finishes == batch.finishes:
-            return path
-        os.replace(path, directory / f"batch-{batch.pk}.finish-{finishes}.jsonl.gz")
+    if os.path.lexists(path):
+        raise ArchiveRefused(_taken(path, batch.pk))
     descriptor, temporary = tempfile.mkstemp(
         dir=directory, prefix=f".batch-{batch.pk}.", suffix=".tmp"
     )
-    try:
-        with os.fdopen(descriptor, "wb") as raw:
+    digest = hashlib.sha256()
+    # Open until checked: the inode cannot be freed and reused meanwhile, so
+    # "the same inode" means the same file.
+    with os.fdopen(descriptor, "wb") as raw:
+        try:
+            hashed = _Hashed(raw, digest)
             with gzip.GzipFile(
-                filename=path.name, mode="wb", fileobj=raw, mtime=0
+                filename=path.name, mode="wb", fileobj=hashed, mtime=0
             ) as out:
                 for line in archive_lines(batch):
                     out.write(line.encode())
             raw.flush()
             os.fsync(raw.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    _fsync_directory(directory)
-    return path
+            _place(Path(temporary), path, batch.pk)
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+        _fsync_directory(directory)
+        archive = Archive(path=path, sha256=digest.hexdigest(), size=hashed.size)
+        _verify(archive, os.fstat(raw.fileno()))
+    return archive
+
+
+class _Hashed:
+    """A file that also feeds what is written to it to a hash."""
+
+    def __init__(self, raw: Any, digest: Any) -> None:
+        self.raw, self.digest, self.size = raw, digest, 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        written: int = self.raw.write(data)
+        return written
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def _place(temporary: Path, path: Path, batch_id: int) -> None:
+    """Give the written file its final name without ever replacing another.
+
+    A hard link fails when the name exists, atomically. Where the file system
+    has no hard links, the name is reserved by an exclusive create (which
+    also fails when it exists, and follows no link) and the file renamed over
+    that reservation, its own."""
+    try:
+        os.link(temporary, path)
+        return
+    except FileExistsError:
+        raise ArchiveRefused(_taken(path, batch_id)) from None
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        os.close(os.open(path, flags, 0o600))
+    except FileExistsError:
+        raise ArchiveRefused(_taken(path, batch_id)) from None
+    os.replace(temporary, path)
+
+
+def _verify(archive: Archive, written: os.stat_result) -> None:
+    """The file under the final name is the one written (same inode, a regular
+    file, not a link) and holds exactly what was written."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        descriptor = os.open(archive.path, flags)
+    except OSError as error:
+        raise ArchiveRefused(_changed(archive, str(error))) from None
+    digest = hashlib.sha256()
+    with os.fdopen(descriptor, "rb") as placed:
+        found = os.fstat(placed.fileno())
+        if not stat.S_ISREG(found.st_mode) or (found.st_dev, found.st_ino) != (
+            written.st_dev,
+            written.st_ino,
+        ):
+            raise ArchiveRefused(_changed(archive, "another file is under its name"))
+        while chunk := placed.read(READ_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != archive.sha256:
+        raise ArchiveRefused(_changed(archive, "its content changed"))
+
+
+def _taken(path: Path, batch_id: int) -> str:
+    return (
+        f"{path} is already there, and this run did not write it: the purge "
+        f"trusts only an archive it has just written, so nothing of batch "
+        f"{batch_id} was deleted (and the purge stopped). If an earlier run was "
+        f"stopped part-way, that file holds the rows it deleted: move it "
+        f"elsewhere (keep it) and run again; the new archive then holds the "
+        f"rest."
+    )
+
+
+def _changed(archive: Archive, why: str) -> str:
+    return (
+        f"{archive.path} was written by this run, but {why} before the purge "
+        f"could delete anything: nothing of the batch was deleted (and the purge "
+        f"stopped). Is another process writing in the archive directory?"
+    )
 
 
 def archive_lines(batch: Batch) -> Iterator[str]:
@@ -137,13 +247,6 @@ def _ledger_lines(batch: Batch) -> Iterator[str]:
         last = items[-1]
 
 
-def _archived_finishes(path: Path) -> int | None:
-    with gzip.open(path, "rt", encoding="utf-8") as archived:
-        first = json.loads(archived.readline())
-    finishes: int | None = first["batch"]["finishes"]
-    return finishes
-
-
 def _line(record: dict) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
@@ -153,7 +256,7 @@ def _time(moment: datetime | None) -> str | None:
 
 
 def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable before the rows it saves are deleted."""
+    """Make the new name itself durable before the rows it saves are deleted."""
     descriptor = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(descriptor)

@@ -21,7 +21,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db.models import Exists, OuterRef, QuerySet
 
-from batches.archive import write_archive
+from batches.archive import ArchiveRefused, write_archive
 from batches.models import Batch
 
 from . import transitions
@@ -41,6 +41,10 @@ class PurgeReport:
     unfinished: list[int] = field(default_factory=list)  # started, budget spent
     refused: dict[int, str] = field(default_factory=dict)
     archives: list[str] = field(default_factory=list)
+    # The SHA-256 of each archive, by path, as written and checked by this run.
+    archive_sha256: dict[str, str] = field(default_factory=dict)
+    # Why the run stopped before the end (an archive it could not trust).
+    stopped: str = ""
     longest_chunk: float = 0.0  # seconds, of the slowest chunk's transaction
     # A dry run's list: {"id", "name", "items", "finished_at"} per batch.
     planned: list[dict] = field(default_factory=list)
@@ -55,6 +59,8 @@ class PurgeReport:
             "unfinished": self.unfinished,
             "refused": {str(k): v for k, v in self.refused.items()},
             "archives": self.archives,
+            "archive_sha256": self.archive_sha256,
+            "stopped": self.stopped,
             "longest_chunk_seconds": round(self.longest_chunk, 3),
         }
 
@@ -74,6 +80,10 @@ class PurgeReport:
             shown.append(f"left part-way (budget spent): {self.unfinished}")
         for batch_id, why in self.refused.items():
             shown.append(f"batch {batch_id} left alone: {why}")
+        for path, digest in self.archive_sha256.items():
+            shown.append(f"archive {path}: sha256 {digest}")
+        if self.stopped:
+            shown.append(f"stopped: {self.stopped}")
         return shown
 
 
@@ -102,7 +112,8 @@ def purge(
     """Delete the batches finished more than ``older_than`` before ``now``.
 
     ``archive``: write each batch's ``batch-<id>.jsonl.gz`` there before its
-    first row is deleted. ``budget``: delete at most this many jobs (the
+    first row is deleted; ``ArchiveRefused`` (with the report so far as its
+    ``report``) stops the run if that name is already taken. ``budget``: delete at most this many jobs (the
     sweep's bounded share; a batch left part-way is finished next time).
     ``dry_run``: only report what would go.
     """
@@ -125,7 +136,22 @@ def purge(
         if budget is not None and budget - report.jobs <= 0:
             break
         if archive is not None:
-            report.archives.append(str(write_archive(batch, archive)))
+            try:
+                written = write_archive(batch, archive)
+            except ArchiveRefused as refused:
+                # Nothing of this batch is deleted, nor of any after it.
+                report.stopped = str(refused)
+                refused.report = report
+                log.error("purge stopped: %s", refused)
+                raise
+            report.archives.append(str(written.path))
+            report.archive_sha256[str(written.path)] = written.sha256
+            log.info(
+                "purge: archive %s written, %d bytes, sha256 %s",
+                written.path,
+                written.size,
+                written.sha256,
+            )
         _purge_batch(batch.pk, report, budget=budget, chunk=chunk)
     if report.batches or report.unfinished:
         log.info(

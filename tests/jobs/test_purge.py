@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 from django.core.management import CommandError, call_command
 
-from batches.archive import archive_path
+from batches.archive import ArchiveRefused, archive_path
 from batches.exports import jsonl_lines
 from batches.intakes import Intake
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
@@ -268,21 +268,35 @@ def test_no_row_goes_when_the_archive_cannot_be_written(worker, tmp_path):
     batch = finished_batch(worker, 2)
     archive_path(tmp_path, batch.pk).mkdir()  # in the way of the file
     before = snapshot(*jobs_of(batch))
-    with pytest.raises(IsADirectoryError):
+    # The archive's name is taken: the purge trusts nothing it did not write
+    # (tests/jobs/test_purge_archive_trust.py has the planted files).
+    with pytest.raises(ArchiveRefused, match="is already there"):
         purge(older_than=DAY, now=T0 + 2 * DAY, archive=tmp_path)
     assert snapshot(*jobs_of(batch)) == before
 
 
-def test_a_second_run_keeps_the_first_runs_whole_archive(worker, tmp_path):
+def test_a_second_run_stops_at_the_first_runs_archive_until_it_is_moved(
+    worker, tmp_path
+):
     batch = finished_batch(worker, 5)
     first = purge(older_than=DAY, now=T0 + 2 * DAY, archive=tmp_path, budget=2)
     assert (first.batches, first.unfinished, first.jobs) == ([], [batch.pk], 2)
     assert rows_of(batch.pk)["jobs"] == 3
+    # The first run's archive (all 5 items) is not this run's: it stops.
+    with pytest.raises(ArchiveRefused, match="move it elsewhere"):
+        purge(older_than=DAY, now=T0 + 2 * DAY, archive=tmp_path)
+    assert rows_of(batch.pk)["jobs"] == 3
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    archive_path(tmp_path, batch.pk).rename(archive_path(kept, batch.pk))
     second = purge(older_than=DAY, now=T0 + 2 * DAY, archive=tmp_path)
     assert second.batches == [batch.pk]
-    with gzip.open(archive_path(tmp_path, batch.pk), "rt") as archived:
-        items = [json.loads(line) for line in archived if '"item"' in line[:8]]
-    assert len(items) == 5
+
+    def items(directory):
+        with gzip.open(archive_path(directory, batch.pk), "rt") as archived:
+            return [json.loads(line) for line in archived if '"item"' in line[:8]]
+
+    assert (len(items(kept)), len(items(tmp_path))) == (5, 3)
 
 
 def test_a_dry_run_reports_and_writes_nothing(worker, tmp_path):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.retention import purge
+from batches.archive import ArchiveRefused
+from jobs.retention import PurgeReport, purge
 
 
 def days(value: str) -> float:
@@ -45,7 +46,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--archive",
             metavar="DIR",
-            help="first write each batch's batch-<id>.jsonl.gz into DIR",
+            help="first write each batch's batch-<id>.jsonl.gz into DIR; a name "
+            "already taken there stops the purge (nothing of that batch deleted)",
         )
         parser.add_argument(
             "--dry-run",
@@ -63,7 +65,15 @@ class Command(BaseCommand):
     ) -> None:
         older_than = timedelta(days=days(finished_before))
         directory = None if archive is None else _archive_directory(archive, dry_run)
-        report = purge(older_than=older_than, archive=directory, dry_run=dry_run)
+        try:
+            report = purge(older_than=older_than, archive=directory, dry_run=dry_run)
+        except ArchiveRefused as refused:
+            # What was done before the stop is reported too, then the error.
+            self._report(refused.report)
+            raise CommandError(str(refused)) from None
+        self._report(report)
+
+    def _report(self, report: PurgeReport) -> None:
         for line in report.lines():
             self.stdout.write(line)
         self.stdout.write(json.dumps(report.as_dict(), sort_keys=True))
