@@ -25,9 +25,11 @@ finished with no failed item, 1 when some failed, 2 when it was cancelled,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import io
+import ipaddress
 import json
 import os
 import sys
@@ -50,6 +52,10 @@ class Failure(Exception):
     """Something the user must hear about, in one line."""
 
 
+class RedirectRefused(Failure):
+    """The server redirected to another origin: waiting will not fix that."""
+
+
 class ApiError(Failure):
     def __init__(self, status: int, code: str, detail: str):
         super().__init__(f"{status} {code}: {detail}")
@@ -59,10 +65,59 @@ class ApiError(Failure):
 # --- HTTP ---------------------------------------------------------------------
 
 
+def origin(url: str) -> tuple[str, str, int | None]:
+    """Scheme, host and port (the default one filled in): what must not change
+    for a request to carry the token."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").rstrip(".").lower(), port
+
+
+def plain_http_warning(url: str) -> str | None:
+    """A warning when ``url`` sends the token in clear text over a network
+    (the reference worker's rule: plain http:// to another machine)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() != "http":
+        return None
+    host = (parts.hostname or "").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return None
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    return (
+        f"RECALL_URL is plain http:// to {host!r}, which is not this machine: the "
+        f"API token and everything it fetches cross the network unencrypted; use "
+        f"https://"
+    )
+
+
+class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only within the origin the request went to: the
+    request carries the API token, and urllib would otherwise send it to
+    whatever scheme, host and port a ``Location`` names."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if origin(newurl) != origin(req.full_url):
+            scheme, host, port = origin(req.full_url)
+            raise RedirectRefused(
+                f"the server redirected ({code}) to {newurl}, which is not "
+                f"{scheme}://{host}:{port}; recallctl never sends its API token "
+                f"to another scheme, host or port. If that is Recall's address, "
+                f"set RECALL_URL to it"
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 class Client:
     def __init__(self, url: str, token: str, timeout: float = 60):
         self.base = url.rstrip("/")
         self.token, self.timeout = token, timeout
+        self.opener = urllib.request.build_opener(SameOriginRedirects)
 
     def _request(
         self,
@@ -85,7 +140,7 @@ class Client:
             },
         )
         try:
-            return urllib.request.urlopen(request, timeout=self.timeout)
+            return self.opener.open(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:
             raise _api_error(error) from None
         except urllib.error.URLError as error:
@@ -296,6 +351,8 @@ def wait_for(client: Client, batch_id: int, interval: float, timeout: float | No
             if error.status not in RETRY_STATUSES:
                 raise
             say(f"batch {batch_id}: server busy ({error}); still waiting")
+        except RedirectRefused:
+            raise
         except Failure as error:  # the server is unreachable for now
             say(f"batch {batch_id}: {error}; still waiting")
         else:
@@ -438,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             raise Failure("set RECALL_URL (or --url) to the Recall server's address")
         if not token:
             raise Failure("set RECALL_API_TOKEN to a personal API token")
+        if warning := plain_http_warning(args.url):
+            print(f"recallctl: warning: {warning}", file=sys.stderr)
         client = Client(args.url, token, timeout=args.http_timeout)
         return COMMANDS[args.command](client, args)
     except Failure as error:
