@@ -1761,6 +1761,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# --- The token out of engines' reach (Linux) ------------------------------------
+#
+# An engine runs as the worker's user, so without more it could read the token
+# where the kernel keeps it: /proc/<worker>/environ (the environment the worker
+# was started with, which os.environ changes never rewrite), /proc/<worker>/mem,
+# or by attaching a debugger. Once the token is read, the worker makes itself
+# non-dumpable (those files then belong to root, and only a process with
+# CAP_SYS_PTRACE may open them or attach), removes the token from its
+# environment and overwrites its bytes in the initial environment block. The
+# engine's own environment never had it (PRIVATE_ENV_PREFIXES).
+
+PR_SET_DUMPABLE = 4  # linux/prctl.h
+TOKEN_VARIABLES = ("RECALL_TOKEN",)
+
+
+def hide_token_from_engines() -> list[str]:
+    """Make the token unreadable to other processes of this user; what was
+    done, for the start-up log. Outside Linux only the variable is removed."""
+    done = []
+    if scrub_environment(TOKEN_VARIABLES):
+        done.append("token scrubbed from the environment")
+    prctl = _prctl()
+    if prctl is not None and prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0:
+        done.append("not dumpable")
+    return done
+
+
+def scrub_environment(names: tuple[str, ...]) -> bool:
+    """Remove ``names`` from the environment, and on Linux overwrite their
+    values in the environment block the process started with (what
+    /proc/<pid>/environ shows, whatever os.environ says since). True if any
+    was there."""
+    present = [name for name in names if name in os.environ]
+    if sys.platform.startswith("linux") and present:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            _overwrite_initial_environment(present)
+    for name in present:
+        os.environ.pop(name, None)  # also unsetenv(): gone from libc's environ
+    return bool(present)
+
+
+def _overwrite_initial_environment(names: list[str]) -> None:
+    """Zero the values of ``names`` in [env_start, env_end) of this process
+    (fields 50 and 51 of /proc/self/stat): the bytes /proc/<pid>/environ
+    reads. Only whole entries (after a NUL or at the start) match."""
+    with open("/proc/self/stat", "rb") as stat:
+        fields = stat.read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[47]), int(fields[48])
+    if not 0 < start < end:
+        return
+    block = ctypes.string_at(start, end - start)
+    prefixes = tuple(name.encode() + b"=" for name in names)
+    offset = 0
+    for entry in block.split(b"\0"):
+        if entry.startswith(prefixes):
+            value = offset + entry.index(b"=") + 1
+            ctypes.memset(start + value, 0, offset + len(entry) - value)
+        offset += len(entry) + 1
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
     """Parse and check the options; return them with the token."""
     parser = build_parser()
@@ -1799,9 +1859,22 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args, token = parse_args(argv)
+    on_command_line = not args.token_file and args.token not in (
+        None,
+        os.environ.get("RECALL_TOKEN"),
+    )
+    hidden = hide_token_from_engines()
     configure_logging(args.log_level, token)
     if warning := plain_http_warning(args.url):
         log.warning("%s", warning)
+    if on_command_line:
+        log.warning(
+            "the token is on the command line, where every user of this machine "
+            "can read it (/proc/%d/cmdline): use RECALL_TOKEN or --token-file",
+            os.getpid(),
+        )
+    if hidden:
+        log.debug("token kept from engines: %s", ", ".join(hidden))
     registry = ProcessRegistry()
     if args.simulate:
         engine: Engine = SimulateEngine(
