@@ -27,6 +27,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
         "token_prefix",
         "created_at",
         "last_used",
+        "expires_at",
         "revoked_at",
     )
     list_filter = (("revoked_at", admin.EmptyFieldListFilter),)

@@ -20,6 +20,8 @@ from django.utils import timezone
 API_TOKEN_PREFIX_LENGTH = 12
 MAX_LABEL_CHARS = 100
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+# The longest expiry a token can be given (days); without one it never expires.
+MAX_EXPIRY_DAYS = 3650
 # How long a submission's Idempotency-Key returns the batch it created.
 IDEMPOTENCY_TTL = timedelta(hours=24)
 
@@ -39,6 +41,8 @@ class ApiToken(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     last_used = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Refused from this moment on (null: never expires).
+    expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         verbose_name = "API token"
@@ -50,6 +54,9 @@ class ApiToken(models.Model):
     @property
     def is_revoked(self) -> bool:
         return self.revoked_at is not None
+
+    def expired(self, now: datetime) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
 
     def used_long_ago(self, now: datetime) -> bool:
         """True when ``last_used`` is worth writing again (see the resolution)."""

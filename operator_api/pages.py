@@ -14,7 +14,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 from jobs import transitions
 
 from . import tokens
-from .models import MAX_LABEL_CHARS, ApiToken
+from .models import MAX_EXPIRY_DAYS, MAX_LABEL_CHARS, ApiToken
 
 
 class NewTokenForm(forms.Form):
@@ -23,6 +23,13 @@ class NewTokenForm(forms.Form):
         required=False,
         strip=True,
         help_text="What uses it, e.g. 'nightly upload'.",
+    )
+    expires_in_days = forms.IntegerField(
+        label="Expires after (days)",
+        required=False,
+        min_value=1,
+        max_value=MAX_EXPIRY_DAYS,
+        help_text="Empty: until you revoke it.",
     )
 
     def clean_label(self) -> str:
@@ -49,7 +56,10 @@ def token_list(request: HttpRequest) -> HttpResponse:
     if request.method == "POST":
         if form.is_valid():
             _, new_token = tokens.issue_token(
-                request.user, label=form.cleaned_data["label"], now=transitions.now()
+                request.user,
+                label=form.cleaned_data["label"],
+                now=transitions.now(),
+                expires_in_days=form.cleaned_data["expires_in_days"],
             )
             form = NewTokenForm()
         else:
@@ -61,6 +71,7 @@ def token_list(request: HttpRequest) -> HttpResponse:
             "form": form,
             "new_token": new_token,
             "tokens": ApiToken.objects.filter(user_id=_user_id(request)),
+            "now": transitions.now(),
             "nav": "api-tokens",
         },
         status=status,

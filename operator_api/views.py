@@ -110,6 +110,12 @@ def authenticate(request: HttpRequest) -> tuple[Any, datetime]:
     if not api_token.user.is_active:
         raise _unauthorized("This API token's user is deactivated.")
     now = transitions.now()
+    expires = api_token.expires_at
+    if expires is not None and expires <= now:
+        raise _unauthorized(
+            f"This API token expired at {expires.isoformat()}; create a new one "
+            f"on the API tokens page."
+        )
     tokens.touch(api_token, now=now)
     return api_token.user, now
 

@@ -1,12 +1,14 @@
-"""Site-wide middleware: health probes, the content security policy, and a clear
-503 when the database is down."""
+"""Site-wide middleware: health probes, the content security policy, sliding
+session expiry, and a clear 503 when the database is down."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 from csp.middleware import CSPMiddleware
 from django.conf import settings
+from django.contrib.auth import SESSION_KEY
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
 
@@ -53,6 +55,43 @@ class ContentSecurityPolicyMiddleware(CSPMiddleware):
         if request.path_info.startswith(tuple(policy["EXCLUDE_URL_PREFIXES"])):
             return response
         return super().process_response(request, response)
+
+
+# When the session was last moved on (unix seconds), kept in the session.
+SESSION_SEEN = "_recall_seen"
+# Move it on at most this often: a save (one row written) per minute, not per
+# page, for an expiry that is exact to within a minute.
+SESSION_TOUCH_SECONDS = 60
+# The live regions' refreshes say so (static/js/recall.js): not activity.
+REFRESH_HEADER = ("X-Requested-With", "recall-refresh")
+
+
+class SessionIdleMiddleware:
+    """Sliding expiry: a login lasts ``RECALL_SESSION_IDLE_SECONDS``
+    (``SESSION_COOKIE_AGE``) from its last request, not from the login.
+
+    A request of a logged-in user marks the session modified once its last
+    mark is a minute old, so Django saves it with a new expiry and sends the
+    cookie again with a new max-age. The pages' automatic refreshes do not
+    count: a tab left open must not keep a session alive. The APIs use tokens,
+    not sessions, and are left alone."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if not request.path.startswith("/api/") and (
+            request.headers.get(REFRESH_HEADER[0]) != REFRESH_HEADER[1]
+        ):
+            session = request.session
+            if session.get(SESSION_KEY) is not None:
+                now = int(time.time())
+                seen = session.get(SESSION_SEEN)
+                if not isinstance(seen, int) or not (
+                    0 <= now - seen < SESSION_TOUCH_SECONDS
+                ):
+                    session[SESSION_SEEN] = now
+        return self.get_response(request)
 
 
 class DatabaseUnavailableMiddleware:

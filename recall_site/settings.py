@@ -94,6 +94,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "recall_site.middleware.SessionIdleMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "recall_site.middleware.DatabaseUnavailableMiddleware",
@@ -231,9 +232,19 @@ CSRF_COOKIE_SECURE = RECALL_HTTPS
 SECURE_HSTS_SECONDS = env.int(
     "SECURE_HSTS_SECONDS", default=31536000 if RECALL_HTTPS else 0
 )
-SECURE_HSTS_INCLUDE_SUBDOMAINS = RECALL_HTTPS
-# The preload flag alone enrolls nothing: a site must still be submitted to the list.
-SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=RECALL_HTTPS)
+# HSTS for Recall's own host only, unless asked: includeSubDomains would force
+# HTTPS on every sibling under the same domain (an intranet page on plain HTTP
+# included), and preload asks browsers' lists for that, for a long time. Both
+# are commitments for the domain's owner, not for one application.
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool(
+    "SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False
+)
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+# `check --deploy` warns about each of them off: they are off on purpose.
+SILENCED_SYSTEM_CHECKS = [
+    *([] if SECURE_HSTS_INCLUDE_SUBDOMAINS else ["security.W005"]),
+    *([] if SECURE_HSTS_PRELOAD else ["security.W021"]),
+]
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
 # Behind a TLS-terminating reverse proxy: trust its X-Forwarded-Proto, and take
 # the client's address from the X-Forwarded-For entry it appended (login
@@ -243,6 +254,13 @@ if RECALL_BEHIND_PROXY:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
+# A login ends after this long without a request (sliding: every page or
+# action moves it on, at most once a minute; the pages' own refreshes do not,
+# so a forgotten tab does not keep a session alive). recall_site/middleware.py
+RECALL_SESSION_IDLE_SECONDS = env.int("RECALL_SESSION_IDLE_SECONDS", default=8 * 3600)
+if RECALL_SESSION_IDLE_SECONDS < 60:
+    raise ImproperlyConfigured("RECALL_SESSION_IDLE_SECONDS must be at least 60.")
+SESSION_COOKIE_AGE = RECALL_SESSION_IDLE_SECONDS
 
 # Content-Security-Policy (django-csp): scripts and styles only from Recall's own
 # static files, never inline (the progress bars are SVG geometry, not style
@@ -342,7 +360,21 @@ RECALL_BACKGROUND_INTAKE_BYTES = env.int(
 # an export that lands on a process already streaming that many.
 RECALL_EXPORTS_PER_PROCESS = env.int("RECALL_EXPORTS_PER_PROCESS", default=0)
 # /metrics answers only when this is set, and only to "Authorization: Bearer <it>".
+# It crosses the network on every scrape (often over plain HTTP, node by node),
+# and anyone who guesses it reads the fleet: held to a minimum like SECRET_KEY.
 RECALL_METRICS_TOKEN = env.str("RECALL_METRICS_TOKEN", default="")
+METRICS_TOKEN_MIN_LENGTH = 32
+if RECALL_METRICS_TOKEN and (
+    len(RECALL_METRICS_TOKEN) < METRICS_TOKEN_MIN_LENGTH
+    or len(set(RECALL_METRICS_TOKEN)) < secret_key.MIN_UNIQUE_CHARACTERS
+):
+    raise ImproperlyConfigured(
+        f"RECALL_METRICS_TOKEN is too weak: it has {len(RECALL_METRICS_TOKEN)} "
+        f"characters ({len(set(RECALL_METRICS_TOKEN))} different); at least "
+        f"{METRICS_TOKEN_MIN_LENGTH} ({secret_key.MIN_UNIQUE_CHARACTERS} different) "
+        f"are needed. Generate one with: python3 -c "
+        f"'import secrets; print(secrets.token_urlsafe(32))'"
+    )
 # Largest manifest accepted (items).
 RECALL_MAX_MANIFEST_ITEMS = env.int("RECALL_MAX_MANIFEST_ITEMS", default=1_000_000)
 # URL schemes a source may have (plain paths, absolute or relative, are always

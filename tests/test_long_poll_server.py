@@ -192,7 +192,7 @@ def test_a_claim_that_waited_is_counted_once_with_the_status_it_got(tmp_path):
     claim one 200, a wait that ends one 204 (not also the 204 the view kept
     when it parked); and the claim time is the server's work, not the wait."""
     env = {
-        "RECALL_METRICS_TOKEN": "long-poll-metrics-token",
+        "RECALL_METRICS_TOKEN": "long-poll-metrics-token-5b8d21e07fa9c3",
         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics"),
     }
     with serving(tmp_path, env) as (_, port, _):

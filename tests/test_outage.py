@@ -23,7 +23,7 @@ import pytest
 from .pgserver import PrivatePostgres, available, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-METRICS_TOKEN = "outage-metrics-token"
+METRICS_TOKEN = "outage-metrics-token-3f6a90c8e1b2d47"
 pytestmark = [
     pytest.mark.postgres,
     pytest.mark.skipif(

@@ -30,7 +30,7 @@ from .conftest import samples
 from .test_multiprocess import CLAIMS, count_in_a_process
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "gunicorn-metrics-token"
+TOKEN = "gunicorn-metrics-token-7c1e9a44b2d0f3"
 DATABASE_FAMILIES = (
     "recall_jobs",
     "recall_batches",
