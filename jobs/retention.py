@@ -113,8 +113,9 @@ def purge(
 
     ``archive``: write each batch's ``batch-<id>.jsonl.gz`` there before its
     first row is deleted; ``ArchiveRefused`` (with the report so far as its
-    ``report``) stops the run if that name is already taken. ``budget``: delete at most this many jobs (the
-    sweep's bounded share; a batch left part-way is finished next time).
+    ``report``) stops the run if that name is already taken. ``budget``:
+    delete at most this many jobs (the sweep's bounded share; a batch left
+    part-way is finished next time).
     ``dry_run``: only report what would go.
     """
     now = transitions.now() if now is None else now

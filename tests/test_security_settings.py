@@ -58,9 +58,11 @@ def test_a_metrics_token_of_32_characters_or_none_starts():
 def test_hsts_covers_recalls_host_only_unless_a_setting_says_more():
     assert shown()[:3] == [31536000, False, False]
     assert shown(SECURE_HSTS_INCLUDE_SUBDOMAINS="on")[:3] == [31536000, True, False]
-    assert shown(SECURE_HSTS_INCLUDE_SUBDOMAINS="on", SECURE_HSTS_PRELOAD="on")[
-        :3
-    ] == [31536000, True, True]
+    assert shown(SECURE_HSTS_INCLUDE_SUBDOMAINS="on", SECURE_HSTS_PRELOAD="on")[:3] == [
+        31536000,
+        True,
+        True,
+    ]
 
     header = manage("shell", "-v", "0", "-c", HEADER, env=PRODUCTION)
     both = manage(

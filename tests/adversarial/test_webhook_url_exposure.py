@@ -57,7 +57,9 @@ def finished(worker):
     endpoint = make_endpoint(URL)
     batch = make_batch(1)
     job = claim(worker, T0)
-    transitions.complete(job, job.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
     delivery.deliver(now=T0)
     return batch, endpoint
 
@@ -169,7 +171,9 @@ def test_delivery_logs_name_the_endpoint_by_its_origin(worker, caplog):
     endpoint = make_endpoint(URL)
     make_batch(1)
     job = claim(worker, T0)
-    transitions.complete(job, job.lease_token, worker=worker, result={"text": "x"}, now=T0)
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
 
     with caplog.at_level("INFO", logger="recall.webhooks"):
         delivery.deliver(now=T0)

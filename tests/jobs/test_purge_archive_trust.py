@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+from pathlib import Path
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -138,7 +139,7 @@ def test_each_archive_is_checked_and_its_checksum_recorded(worker, tmp_path):
     paths = [str(archive_path(tmp_path, b.pk)) for b in (first, second)]
     assert report.archives == paths
     assert report.archive_sha256 == {
-        p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths
+        p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths
     }
     assert report.as_dict()["archive_sha256"] == report.archive_sha256
     assert report.as_dict()["stopped"] == ""

@@ -93,7 +93,9 @@ def test_create_api_token_takes_an_expiry_in_days(viewer):
     assert ApiToken.objects.filter(expires_at__isnull=True).count() == 1
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "abc", "3651", "1.5", "²", "1" + "0" * 5000])
+@pytest.mark.parametrize(
+    "value", ["0", "-3", "abc", "3651", "1.5", "²", "1" + "0" * 5000]
+)
 def test_create_api_token_refuses_a_bad_expiry_and_creates_nothing(viewer, value):
     with pytest.raises(CommandError, match="--expires-days takes a whole number"):
         call_command(
@@ -123,7 +125,7 @@ def test_the_tokens_page_creates_expiring_tokens_and_shows_their_state(viewer):
     tokens.issue_token(viewer, label="forever", now=transitions.now())
     listing = client.get("/api-tokens/").content.decode()
     rows = {
-        label: listing.split(f"<th scope=\"row\">{label}</th>", 1)[1].split("</tr>")[0]
+        label: listing.split(f'<th scope="row">{label}</th>', 1)[1].split("</tr>")[0]
         for label in ("weekly", "forever")
     }
     assert '<span class="state state-failed">expired</span>' in rows["weekly"]

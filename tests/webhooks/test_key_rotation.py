@@ -127,7 +127,10 @@ def test_reencryption_moves_both_secrets_to_the_current_key(settings):
     endpoint = make_endpoint()
     transitions.rotate_webhook_secret(endpoint, now=T0)  # a previous secret too
     stored = WebhookEndpoint.objects.get(pk=endpoint.pk)
-    old = (keys.decrypt(stored.secret_encrypted), keys.decrypt(stored.previous_secret_encrypted))
+    old = (
+        keys.decrypt(stored.secret_encrypted),
+        keys.decrypt(stored.previous_secret_encrypted),
+    )
     untouched = make_endpoint("https://other.example/hooks")
 
     settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS = NEW_KEY, [OLD_KEY]

@@ -69,7 +69,7 @@ def test_private_and_deprecated_ranges_are_refused_unless_allowed(address):
 
     assert why is not None, address
     assert "RECALL_WEBHOOK_ALLOW_PRIVATE=on" in why
-    with pytest.raises(DestinationRefused, match="private|loopback"):
+    with pytest.raises(DestinationRefused, match=r"private|loopback"):
         resolve(f"https://[{address}]/hooks", allow_private=False)
 
 

@@ -200,16 +200,11 @@ def test_an_engine_cannot_read_the_token_as_root_sees_it(live_server, probe_dir)
     assert b"RECALL_TOKEN" not in dumps["own-environ"]  # never inherited
 
 
-def test_an_unprivileged_engine_cannot_read_its_workers_token(
-    live_server, probe_dir
-):
+def test_an_unprivileged_engine_cannot_read_its_workers_token(live_server, probe_dir):
     """The worker and its engine run as an ordinary user: the worker's
     environ, maps and mem are closed to the engine, and nothing it can read
     holds the token."""
-    if os.geteuid() == 0:
-        uid = NOBODY
-    else:
-        uid = None  # already unprivileged
+    uid = NOBODY if os.geteuid() == 0 else None  # None: already unprivileged
     token, report, dumps, _ = run_worker_with_probe(live_server, probe_dir, uid=uid)
 
     assert report["environ"] == "PermissionError"
