@@ -4,13 +4,14 @@ session expiry, and a clear 503 when the database is down."""
 from __future__ import annotations
 
 import logging
-import time
+from datetime import timedelta
 
 from csp.middleware import CSPMiddleware
 from django.conf import settings
 from django.contrib.auth import SESSION_KEY
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.template.loader import render_to_string
+from django.utils import timezone
 
 from jobs.exceptions import DATABASE_DOWN
 from jobs.metrics import metrics_view
@@ -57,10 +58,8 @@ class ContentSecurityPolicyMiddleware(CSPMiddleware):
         return super().process_response(request, response)
 
 
-# When the session was last moved on (unix seconds), kept in the session.
-SESSION_SEEN = "_recall_seen"
-# Move it on at most this often: a save (one row written) per minute, not per
-# page, for an expiry that is exact to within a minute.
+# Move a session's expiry on at most this often: a save (one row written) per
+# minute, not per page, for an expiry exact to within a minute.
 SESSION_TOUCH_SECONDS = 60
 # The live regions' refreshes say so (static/js/recall.js): not activity.
 REFRESH_HEADER = ("X-Requested-With", "recall-refresh")
@@ -70,11 +69,12 @@ class SessionIdleMiddleware:
     """Sliding expiry: a login lasts ``RECALL_SESSION_IDLE_SECONDS``
     (``SESSION_COOKIE_AGE``) from its last request, not from the login.
 
-    A request of a logged-in user marks the session modified once its last
-    mark is a minute old, so Django saves it with a new expiry and sends the
-    cookie again with a new max-age. The pages' automatic refreshes do not
-    count: a tab left open must not keep a session alive. The APIs use tokens,
-    not sessions, and are left alone."""
+    A request of a logged-in user whose session was last saved more than a
+    minute ago (its stored expiry, ``recall_site.sessions``, says when) marks
+    it modified, so Django saves it with a new expiry and sends the cookie
+    again with a new max-age. The pages' automatic refreshes do not count: a
+    tab left open must not keep a session alive. The APIs use tokens, not
+    sessions, and are left alone."""
 
     def __init__(self, get_response):
         self.get_response = get_response
@@ -85,12 +85,12 @@ class SessionIdleMiddleware:
         ):
             session = request.session
             if session.get(SESSION_KEY) is not None:
-                now = int(time.time())
-                seen = session.get(SESSION_SEEN)
-                if not isinstance(seen, int) or not (
-                    0 <= now - seen < SESSION_TOUCH_SECONDS
-                ):
-                    session[SESSION_SEEN] = now
+                expires = getattr(session, "expire_date", None)
+                fresh = timedelta(
+                    seconds=settings.SESSION_COOKIE_AGE - SESSION_TOUCH_SECONDS
+                )
+                if expires is None or expires - timezone.now() < fresh:
+                    session.modified = True
         return self.get_response(request)
 
 

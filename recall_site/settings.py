@@ -261,6 +261,7 @@ RECALL_SESSION_IDLE_SECONDS = env.int("RECALL_SESSION_IDLE_SECONDS", default=8 *
 if RECALL_SESSION_IDLE_SECONDS < 60:
     raise ImproperlyConfigured("RECALL_SESSION_IDLE_SECONDS must be at least 60.")
 SESSION_COOKIE_AGE = RECALL_SESSION_IDLE_SECONDS
+SESSION_ENGINE = "recall_site.sessions"  # the database's, knowing its expiry
 
 # Content-Security-Policy (django-csp): scripts and styles only from Recall's own
 # static files, never inline (the progress bars are SVG geometry, not style
