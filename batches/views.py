@@ -50,6 +50,7 @@ from .intake import LineError, ManifestInvalid, create_batch
 from .intakes import Intake, IntakeStatus
 from .live import fragment
 from .models import Batch, BatchItem, ItemStatus
+from .numbers import MAX_ID, whole_number
 from .progress import (
     BatchState,
     chart_geometry,
@@ -167,8 +168,8 @@ def _items_page(
     items, order: tuple[str, ...], request: HttpRequest, count: int | None
 ) -> ItemsPage:
     def cursor(name: str) -> int | None:
-        value = request.GET.get(name, "")
-        return int(value) if value.isdigit() and len(value) < 19 else None
+        number = whole_number(request.GET.get(name, ""))
+        return number if number is not None and number <= MAX_ID else None
 
     def nearest(items) -> bool:
         # Ordered, not exists(): unordered, PostgreSQL may answer from a scan

@@ -31,6 +31,7 @@ from batches.admin_support import (
     selects_across,
 )
 from batches.models import Batch, BatchItem
+from batches.numbers import whole_number
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease
 from jobs.sweep import sweep
@@ -70,10 +71,10 @@ class AttemptsFilter(admin.SimpleListFilter):
             return None
         if value == "exhausted":
             return queryset.filter(attempts__gte=F("max_attempts"))
-        if value.endswith("+") and value[:-1].isdigit():
-            return queryset.filter(attempts__gte=int(value[:-1]))
-        if value.isdigit():
-            return queryset.filter(attempts=int(value))
+        if value.endswith("+") and (least := whole_number(value[:-1])) is not None:
+            return queryset.filter(attempts__gte=least)
+        if (exactly := whole_number(value)) is not None:
+            return queryset.filter(attempts=exactly)
         return queryset.none()
 
 
