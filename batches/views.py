@@ -329,8 +329,12 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
     job = item.job
     leases = job.leases.select_related("worker").order_by("claimed_at", "pk")
     events = job.events.select_related("actor").order_by("-created_at", "-pk")
-    result = job.result or {}
-    text = result.get("text", "") if isinstance(result, dict) else ""
+    # A stored result is read as it is: rows written before the API checked
+    # them as closely may hold any JSON value.
+    result = job.result if isinstance(job.result, dict) else {}
+    text = result.get("text", "")
+    text = text if isinstance(text, str) else ""
+    segments = result.get("segments")
     return render(
         request,
         "batches/item.html",
@@ -342,10 +346,8 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "events": events,
             "transcript": text[:5000],
             "transcript_truncated": len(text) > 5000,
-            "segments": len(result.get("segments") or [])
-            if isinstance(result, dict)
-            else 0,
-            "language": result.get("language", "") if isinstance(result, dict) else "",
+            "segments": len(segments) if isinstance(segments, list) else 0,
+            "language": result.get("language", ""),
             "now": transitions.now(),
             "nav": "batches",
         },

@@ -240,8 +240,10 @@ class JobAdmin(BigTableAdmin):
     def result_preview(self, job: Job) -> str:
         if job.result is None:
             return "-"
-        text = Truncator(str(job.result.get("text", ""))).chars(2000)
-        segments = job.result.get("segments")
+        # Any JSON value: rows stored before the API checked results closely.
+        result = job.result if isinstance(job.result, dict) else {}
+        text = Truncator(str(result.get("text", ""))).chars(2000)
+        segments = result.get("segments")
         if isinstance(segments, list):
             return f"{text}\n({len(segments)} timed segments)"
         return text

@@ -23,16 +23,26 @@ from django.test import Client
 
 from batches import background
 from batches.intakes import Intake
+from batches.json_limits import (
+    MAX_JSON_DEPTH,
+    flatten_deeper_than,
+    nested_deeper_than,
+)
 from batches.models import Batch, BatchItem
 from batches.numbers import whole_number
 from batches.tasks import run_intake
+from jobs import transitions
+from jobs.models import Job, JobStatus, WebhookEvent
 from operator_api import tokens
 
 from ..factories import (
     T0,
+    WorkerClient,
+    claim,
     is_postgres,
     jobs_of,
     make_batch,
+    make_endpoint,
     make_user,
 )
 
@@ -142,6 +152,201 @@ def refusals_everywhere(site, operator_api, tmp_path, manifest: bytes) -> dict:
         "command": str(command.value),
         "background": (outcome, intake.errors),
     }
+
+
+# --- 5. JSON nested past every recursion limit ----------------------------------------
+
+TOO_DEEP = (
+    "The body is nested too deeply: at most 32 levels of arrays and objects within "
+    "each other."
+)
+
+
+def complete_body(token: str, depth: int) -> bytes:
+    """A completion whose body nests ``depth`` levels (the body is level 1, its
+    result level 2, then arrays)."""
+    deep = nested(depth - 2, "0")
+    return f'{{"lease_token": "{token}", "result": {{"text": "x", "deep": {deep}}}}}'.encode()
+
+
+@pytest.mark.parametrize("depth", [33, 40, 937, 941, 100_000])
+def test_5_both_apis_refuse_json_nested_deeper_than_32_levels(
+    depth, worker, operator_api
+):
+    make_batch(2)
+    api = WorkerClient(worker)
+    job = claim(worker)
+
+    refused = api.post(
+        f"/api/v1/jobs/{job.pk}/complete", raw=complete_body(job.lease_token, depth)
+    )
+    submitted = operator_api.post(
+        "/api/v1/batches",
+        '{"name": "n", "items": [{"source": "s3://a/b.wav", "params": {"x": '
+        + nested(depth - 4, "1")
+        + "}}]}",
+    )
+    retried = operator_api.post(
+        f"/api/v1/batches/{job.batch_id}/retry",
+        '{"source_contains": ' + nested(depth - 1, '"a"') + "}",
+    )
+    claimed = api.post(
+        "/api/v1/claim", raw=f'{{"x": {nested(depth - 1, "1")}}}'.encode()
+    )
+
+    for response in (refused, submitted, retried, claimed):
+        assert response.status_code == 400
+        assert error_of(response) == {"error": "bad_request", "detail": TOO_DEEP}
+    assert Job.objects.get(pk=job.pk).status == JobStatus.LEASED
+    assert Job.objects.filter(status=JobStatus.LEASED).count() == 1  # no claim ran
+    assert Batch.objects.count() == 1
+    # 32 levels are fine.
+    accepted = api.post(
+        f"/api/v1/jobs/{job.pk}/complete", raw=complete_body(job.lease_token, 32)
+    )
+    assert (accepted.status_code, error_of(accepted)) == (200, {"status": "completed"})
+    stored = Job.objects.get(pk=job.pk).result["deep"]
+    assert stored == json.loads(nested(30, "0"))
+
+
+def flattened(levels: int, kept: int) -> object:
+    """What reading ``levels`` stored arrays gives when ``kept`` of them are
+    within the limit: those arrays around the rest as JSON text."""
+    value: object = nested(levels - kept)
+    for _ in range(kept):
+        value = [value]
+    return value
+
+
+URLS = (
+    "/admin/jobs/job/",
+    "/admin/jobs/job/{job}/change/",
+    "/admin/batches/batchitem/",
+    "/admin/batches/batchitem/{item}/change/",
+    "/admin/batches/batch/",
+    "/admin/batches/batch/{batch}/change/",
+    "/admin/jobs/event/",
+    "/admin/jobs/lease/",
+    "/",
+    "/batches/{batch}/",
+    "/batches/{batch}/live",
+    "/batches/{batch}/items/live",
+    "/batches/{batch}/progress.json",
+    "/items/{item}/",
+    "/items/{other}/",
+    "/overview/",
+)
+
+
+@pytest.mark.parametrize(
+    "depth", [937, 1900, pytest.param(5000, marks=pytest.mark.postgres)]
+)  # SQLite's JSON_VALID, which its JSON columns check, stops at 2000 levels
+def test_5_no_page_export_or_api_read_raises_on_stored_json_of_any_depth(
+    depth, worker, site, operator_api
+):
+    batch = make_batch(3)
+    job = claim(worker)
+    transitions.complete(
+        job.pk, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
+    other = jobs_of(batch)[1]
+    deep = nested(depth)
+    store(Job, "result", job.pk, f'{{"text": "deep transcript", "deep": {deep}}}')
+    store(BatchItem, "params", job.item_id, f'{{"language": "en", "deep": {deep}}}')
+    store(BatchItem, "params", other.item_id, f'{{"deep": {deep}}}')
+    ids = {
+        "job": job.pk,
+        "item": job.item_id,
+        "other": other.item_id,
+        "batch": batch.pk,
+    }
+
+    for url in URLS:
+        response = site.get(url.format(**ids))
+        assert response.status_code in (200, 286), url
+        consumed(response)
+    for fmt in ("csv", "jsonl", "zip"):
+        response = site.get(f"/batches/{batch.pk}/export.{fmt}")
+        assert response.status_code == 200
+        assert b"deep transcript" in unpacked(response)
+        response = operator_api.get(f"/api/v1/batches/{batch.pk}/export.{fmt}")
+        assert b"deep transcript" in unpacked(response)
+    items = operator_api.get(f"/api/v1/batches/{batch.pk}/items")
+    assert items.status_code == 200
+    by_id = {item["id"]: item for item in json.loads(items.content)["items"]}
+    first, second = by_id[job.item_id], by_id[other.item_id]
+    # Within the limit as stored; below it, the JSON text as a string.
+    assert first["result"] == {
+        "text": "deep transcript",
+        "deep": flattened(depth, MAX_JSON_DEPTH - 1),
+    }
+    assert first["params"] == {
+        "language": "en",
+        "deep": flattened(depth, MAX_JSON_DEPTH - 1),
+    }
+    assert second["params"] == {"deep": flattened(depth, MAX_JSON_DEPTH - 1)}
+    assert operator_api.get(f"/api/v1/batches/{batch.pk}").status_code == 200
+    # The next claim (intake order) is the other item's: its params come the
+    # same way, and failing it for good builds an item.failed webhook event.
+    make_endpoint(events=("item.failed",))
+    api = WorkerClient(worker)
+    claimed = api.claim()
+    assert claimed.status_code == 200
+    leased = json.loads(claimed.content)["job"]
+    assert (leased["item"]["id"], leased["item"]["params"]) == (
+        other.item_id,
+        second["params"],
+    )
+    failed = api.fail(other.pk, leased["lease_token"], retryable=False)
+    assert (failed.status_code, json.loads(failed.content)) == (
+        200,
+        {"status": "failed"},
+    )
+    (event,) = WebhookEvent.objects.filter(type="item.failed")
+    assert json.loads(event.body)["data"]["item"]["id"] == other.item_id
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        "[1, 2]",
+        "42",
+        '"a transcript, not an object"',
+        '{"text": 7, "segments": {"0": 1}, "language": ["en"]}',
+        '{"text": ["a", "b"], "segments": 3}',
+        '{"text": "x", "segments": [1, "a", {"start": "0", "end": null}, []]}',
+    ],
+)
+def test_5_pages_show_stored_results_of_any_shape(result, worker, site, operator_api):
+    batch = make_batch(1)
+    job = claim(worker)
+    transitions.complete(
+        job.pk, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
+    store(Job, "result", job.pk, result)
+
+    for url in (f"/items/{job.item_id}/", f"/admin/jobs/job/{job.pk}/change/"):
+        assert site.get(url).status_code == 200, url
+    for fmt in ("csv", "jsonl", "zip"):
+        consumed(site.get(f"/batches/{batch.pk}/export.{fmt}"))
+    items = operator_api.get(f"/api/v1/batches/{batch.pk}/items")
+    assert json.loads(items.content)["items"][0]["result"] == json.loads(result)
+
+
+def test_5_nesting_is_measured_and_cut_without_recursion():
+    assert not nested_deeper_than(nested(32), 32)
+    assert nested_deeper_than(nested(33), 32)
+    assert not nested_deeper_than('{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', 2)
+    assert not nested_deeper_than(r'["\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["]', 2)
+    assert nested_deeper_than(nested(5_000_000), 32)  # no RecursionError
+    assert not nested_deeper_than("[]" * 5_000_000, 32)
+    text = '{"a": [[["x\\"]"]]], "b": [[{"c": 1}]], "d": 2}'
+    assert json.loads(flatten_deeper_than(text, 3)) == {
+        "a": [[r'["x\"]"]']],
+        "b": [['{"c": 1}']],
+        "d": 2,
+    }
+    assert flatten_deeper_than(text, 4) == text
 
 
 # --- 7. Digits that isdigit() accepts and int() refuses ----------------------------
