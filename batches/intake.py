@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import codecs
 import csv
-import math
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
@@ -28,6 +27,7 @@ from jobs import transitions
 from jobs.transitions import ItemRow
 
 from .models import Batch
+from .numbers import is_number, shown
 
 MAX_SOURCE_CHARS = 4096
 MAX_PARAM_CHARS = 10_000
@@ -270,15 +270,17 @@ def _duration(text: str) -> tuple[int | None, str | None]:
     return _duration_ms(seconds, text.strip())
 
 
-def _duration_ms(seconds: float, shown: str) -> tuple[int | None, str | None]:
-    """A duration in seconds as milliseconds, or why it cannot be one."""
-    if not math.isfinite(seconds) or seconds < 0:
+def _duration_ms(seconds: float, text: str) -> tuple[int | None, str | None]:
+    """A duration in seconds (a float, or an integer of any size) as
+    milliseconds, or why it cannot be one (``text``: the value as given)."""
+    if not is_number(seconds) or seconds < 0:
         return (
             None,
-            f"duration_seconds {shown!r} must be a number of seconds, 0 or more",
+            f"duration_seconds {text!r} must be a number of seconds, 0 or more",
         )
+    # Compared before any conversion: float() overflows on a huge integer.
     if seconds > MAX_DURATION_SECONDS:
-        return (None, f"duration_seconds {shown!r} is more than {MAX_DURATION_SECONDS}")
+        return (None, f"duration_seconds {text!r} is more than {MAX_DURATION_SECONDS}")
     return round(seconds * 1000), None
 
 
@@ -419,9 +421,9 @@ def item_entry(index: int, item: object) -> Entry | ItemError:
     duration_ms = None
     seconds = item.get("duration_seconds")
     if seconds is not None:
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        if not is_number(seconds):
             return ItemError(index, "'duration_seconds' must be a number or null")
-        duration_ms, problem = _duration_ms(float(seconds), str(seconds))
+        duration_ms, problem = _duration_ms(seconds, shown(seconds))
         if problem:
             return ItemError(index, problem)
     params = item.get("params")

@@ -349,6 +349,128 @@ def test_5_nesting_is_measured_and_cut_without_recursion():
     assert flatten_deeper_than(text, 4) == text
 
 
+# --- 6. Integers past every float --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("number", "detail_for"),
+    [
+        (BIG, "an integer of about 401 digits"),
+        ("-" + BIG, "a negative integer of about 401 digits"),
+        (HUGE, None),
+    ],
+)
+def test_6_huge_integers_in_any_numeric_field_are_400(
+    number, detail_for, worker, operator_api
+):
+    make_batch(2)
+    api = WorkerClient(worker)
+    job = claim(worker)
+    not_json = (
+        "The body is not valid JSON: a number has 5000 digits, more than the 4300 "
+        "allowed."
+    )
+    segment = (
+        "result.segments[0] must be an object with finite numbers 0 <= 'start' <= "
+        "'end' <= 10000000 (seconds) and a string 'text'."
+    )
+
+    def complete(start: str, end: str):
+        return api.post(
+            f"/api/v1/jobs/{job.pk}/complete",
+            raw=(
+                f'{{"lease_token": "{job.lease_token}", "result": {{"text": "x", '
+                f'"segments": [{{"start": {start}, "end": {end}, "text": "a"}}]}}}}'
+            ).encode(),
+        )
+
+    def submit(field: str, where: str = "batch"):
+        item = '{"source": "s3://a/b.wav"}'
+        if where == "item":
+            item = f'{{"source": "s3://a/b.wav", "{field}": {number}}}'
+            return operator_api.post(
+                "/api/v1/batches", f'{{"name": "n", "items": [{item}]}}'
+            )
+        return operator_api.post(
+            "/api/v1/batches",
+            f'{{"name": "n", "{field}": {number}, "items": [{item}]}}',
+        )
+
+    answers = {
+        "wait_seconds": api.post(
+            "/api/v1/claim", raw=f'{{"wait_seconds": {number}}}'.encode()
+        ),
+        "start": complete(number, "1"),
+        "end": complete("0", number),
+        "duration_seconds": submit("duration_seconds", "item"),
+        "priority": submit("priority"),
+        "weight": submit("weight"),
+        "max_in_flight": submit("max_in_flight"),
+    }
+
+    for field, response in answers.items():
+        assert response.status_code == 400, field
+        assert error_of(response)["error"] == "bad_request"
+    if detail_for is None:
+        for field, response in answers.items():
+            assert error_of(response)["detail"] == not_json, field
+    else:
+        negative = number.startswith("-")
+        assert error_of(answers["wait_seconds"])["detail"] == (
+            f"Field 'wait_seconds' must be a number from 0 to 60, not {detail_for}."
+        )
+        assert error_of(answers["start"])["detail"] == segment
+        assert error_of(answers["end"])["detail"] == segment
+        message = (
+            f"duration_seconds '{detail_for}' must be a number of seconds, 0 or more"
+            if negative
+            else f"duration_seconds '{detail_for}' is more than 10000000"
+        )
+        assert error_of(answers["duration_seconds"])["errors"] == [
+            {"index": 0, "message": message}
+        ]
+        assert error_of(answers["priority"])["detail"] == (
+            "Field 'priority' must be from -32768 to 32767."
+        )
+    assert Job.objects.get(pk=job.pk).status == JobStatus.LEASED
+    assert Batch.objects.count() == 1
+    # Ids in paths: no such job or batch.
+    heartbeat = api.post(f"/api/v1/jobs/{number}/heartbeat", {"lease_token": "t"})
+    batch = operator_api.get(f"/api/v1/batches/{number}")
+    for response in (heartbeat, batch):
+        assert (response.status_code, error_of(response)["error"]) == (
+            404,
+            "not_found",
+        )
+
+
+def test_6_stored_huge_integers_break_no_page_or_export(worker, site, operator_api):
+    batch = make_batch(1)
+    job = claim(worker)
+    transitions.complete(
+        job.pk, job.lease_token, worker=worker, result={"text": "x"}, now=T0
+    )
+    store(
+        Job,
+        "result",
+        job.pk,
+        f'{{"text": "big", "n": {HUGE}, "segments": [{{"start": {BIG}, "end": {BIG}, '
+        f'"text": "a"}}, {{"start": 1, "end": 2, "text": "b"}}]}}',
+    )
+
+    for url in (f"/items/{job.item_id}/", f"/admin/jobs/job/{job.pk}/change/"):
+        assert site.get(url).status_code == 200, url
+    archive = zipfile.ZipFile(
+        io.BytesIO(consumed(site.get(f"/batches/{batch.pk}/export.zip")))
+    )
+    (srt,) = [name for name in archive.namelist() if name.endswith(".srt")]
+    assert archive.read(srt) == b"1\n00:00:01,000 --> 00:00:02,000\nb\n"
+    items = operator_api.get(f"/api/v1/batches/{batch.pk}/items")
+    result = json.loads(items.content)["items"][0]["result"]
+    assert result["n"] == HUGE  # past Python's limit: its digits, as a string
+    assert result["segments"][0]["start"] == int(BIG)
+
+
 # --- 7. Digits that isdigit() accepts and int() refuses ----------------------------
 
 
