@@ -17,6 +17,7 @@ import codecs
 import csv
 import re
 import unicodedata
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -238,11 +239,33 @@ def _source_problem(source: str, *, sent: int = 0) -> str | None:
             "(write ./-name for a file whose name starts with '-')"
         )
     scheme = source_scheme(source)
+    if scheme == "file" and (problem := _file_path_problem(source)):
+        return problem
     allowed = settings.RECALL_SOURCE_SCHEMES
     if scheme is not None and scheme not in allowed:
         return (
             f"the scheme {scheme + ':'!r} is not allowed; use a plain path or one "
             f"of {', '.join(s + ':' for s in allowed)} (RECALL_SOURCE_SCHEMES)"
+        )
+    return None
+
+
+def _file_path_problem(source: str) -> str | None:
+    """Why the path of the ``file:`` URL ``source`` cannot reach an engine, or
+    None. Workers hand engines the path with its %-escapes decoded (the
+    reference worker's ``{source_path}``), so ``file:%2Drf`` arrives as
+    ``-rf``: the checks on the source hold for the decoded path too."""
+    path = urllib.parse.unquote(urllib.parse.urlsplit(source).path)
+    if path.startswith("-"):
+        return (
+            f"the source's path starts with '-' once decoded ({path[:100]!r}), "
+            f"which an engine would read as an option (write the whole path, "
+            f"file:///dir/-name, for a file whose name starts with '-')"
+        )
+    if any(unicodedata.category(char) in ("Cc", "Cf") for char in path):
+        return (
+            "the source's path contains a control or invisible formatting "
+            "character once decoded (%-escapes such as %00 or %0A)"
         )
     return None
 

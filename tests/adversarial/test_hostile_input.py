@@ -10,6 +10,7 @@ before these checks (or written by hand) would be.
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import zipfile
@@ -152,6 +153,74 @@ def refusals_everywhere(site, operator_api, tmp_path, manifest: bytes) -> dict:
         "command": str(command.value),
         "background": (outcome, intake.errors),
     }
+
+
+# --- 4. Sources that reach an engine as options once decoded --------------------------
+
+DASHED = (
+    "which an engine would read as an option (write the whole path, "
+    "file:///dir/-name, for a file whose name starts with '-')"
+)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("file:--output_dir=/etc", f"the source's path starts with '-' once decoded ('--output_dir=/etc'), {DASHED}"),
+        ("file:%2Drf", f"the source's path starts with '-' once decoded ('-rf'), {DASHED}"),
+        ("FILE:%2d%2dmodel=../../evil", f"the source's path starts with '-' once decoded ('--model=../../evil'), {DASHED}"),
+        ("file:/audio/a%00b.wav", "the source's path contains a control or invisible formatting character once decoded (%-escapes such as %00 or %0A)"),
+        ("file:///audio/%E2%80%AEvaw.exe", "the source's path contains a control or invisible formatting character once decoded (%-escapes such as %00 or %0A)"),
+    ],
+)  # fmt: skip
+def test_4_no_intake_takes_a_file_path_that_decodes_to_an_option(
+    source, message, site, operator_api, tmp_path
+):
+    manifest = f"s3://calls/ok.wav\n{source}\n".encode()
+
+    said = refusals_everywhere(site, operator_api, tmp_path, manifest)
+    api = operator_api.post(
+        "/api/v1/batches",
+        json.dumps(
+            {
+                "name": "n",
+                "items": [{"source": "s3://calls/ok.wav"}, {"source": source}],
+            }
+        ),
+    )
+
+    status, page = said["form"]
+    assert status == 400
+    assert f"<strong>Line 2:</strong> {html.escape(message)}</li>" in page
+    assert f"line 2: {message}" in said["command"]
+    assert said["background"] == (
+        "failed: 1 problem(s)",
+        [{"line": 2, "message": message}],
+    )
+    assert api.status_code == 400
+    assert error_of(api)["errors"] == [{"index": 1, "message": message}]
+    assert nothing_created()
+
+
+def test_4_file_paths_that_only_contain_a_dash_are_taken(site):
+    manifest = b"file:///audio/-a.wav\nfile:./-b.wav\nfile:///x%20-y.wav\n-c.wav\n"
+
+    response = site.post(
+        "/batches/new/", {"name": "n", "priority": 0, "manifest": upload(manifest)}
+    )
+
+    assert response.status_code == 400  # the plain -c.wav only
+    assert b"<strong>Line 4:</strong> the source starts with" in response.content
+    response = site.post(
+        "/batches/new/",
+        {"name": "n", "priority": 0, "manifest": upload(manifest[: -len(b"-c.wav\n")])},
+    )
+    assert response.status_code == 302
+    assert list(BatchItem.objects.order_by("pk").values_list("source", flat=True)) == [
+        "file:///audio/-a.wav",
+        "file:./-b.wav",
+        "file:///x%20-y.wav",
+    ]
 
 
 # --- 5. JSON nested past every recursion limit ----------------------------------------
