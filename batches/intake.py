@@ -141,7 +141,16 @@ def _parse_csv(
                 yield line
 
     reader = csv.reader(physical())
-    header = [cell.strip() for cell in next(reader)]
+    try:
+        header = [cell.strip() for cell in next(reader)]
+    except csv.Error as error:
+        yield LineError(header_line, f"malformed CSV header: {error}")
+        return
+    # Column names become the params' keys, which PostgreSQL cannot store
+    # with a NUL (psycopg refuses the whole batch with a DataError).
+    if any("\x00" in name for name in header):
+        yield LineError(header_line, "a column name in the header has a NUL character")
+        return
     lowered = [h.lower() for h in header]
     duplicates = sorted({h for h in lowered if lowered.count(h) > 1})
     if duplicates:

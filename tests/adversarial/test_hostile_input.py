@@ -605,3 +605,54 @@ def test_7_whole_numbers_are_ascii_digits_only():
     assert whole_number("12", cap=10) == 10
     for text in ("", "²", "１", "٣", "-1", "+1", " 1", "1 ", "1.0", "1e3", "0x1"):
         assert whole_number(text) is None, text
+
+
+# --- 8. A NUL in a CSV header -------------------------------------------------------
+
+HEADER_NUL = "a column name in the header has a NUL character"
+
+
+@pytest.mark.parametrize(
+    ("manifest", "line", "message"),
+    [
+        (b"source,lang\x00uage\ns3://a/b.wav,en\n", 1, HEADER_NUL),
+        (b"# calls\nsource,\x00\ns3://a/b.wav,en\n", 2, HEADER_NUL),
+        (
+            b"\xef\xbb\xbfsource,duration_seconds,a\x00b\ns3://a/b.wav,1,x\n",
+            1,
+            HEADER_NUL,
+        ),
+        # A quoted header cell running on past the csv module's field limit.
+        (
+            b'source,"lang\n' + b"x" * 200_000 + b'"\ns3://a/b.wav,en\n',
+            1,
+            "malformed CSV header: field larger than field limit (131072)",
+        ),
+    ],
+)
+def test_8_a_nul_in_a_csv_header_is_refused_with_its_line(
+    manifest, line, message, site, operator_api, tmp_path
+):
+    said = refusals_everywhere(site, operator_api, tmp_path, manifest)
+    api = operator_api.post(
+        "/api/v1/batches",
+        '{"name": "n", "items": [{"source": "s3://a/b.wav", '
+        '"params": {"lang\\u0000uage": "en"}}]}',
+    )
+
+    status, page = said["form"]
+    assert status == 400
+    assert f"<strong>Line {line}:</strong> {message}</li>" in page
+    assert f"line {line}: {message}" in said["command"]
+    assert said["background"] == (
+        "failed: 1 problem(s)",
+        [{"line": line, "message": message}],
+    )
+    assert (api.status_code, error_of(api)) == (
+        400,
+        {
+            "error": "bad_request",
+            "detail": "Strings must not contain NUL (\\u0000) characters.",
+        },
+    )
+    assert nothing_created()
