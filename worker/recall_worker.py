@@ -650,6 +650,53 @@ class MissingParam(KeyError):
     """The command template needs a param this item does not have."""
 
 
+class UnsafeArgument(ValueError):
+    """A value the command line would get that an engine could take for an
+    option (it starts with ``-``), or that no argument can hold (a NUL)."""
+
+    def __init__(self, placeholder: str, value: str):
+        shown = clean_text(value)
+        shown = shown if len(shown) <= 200 else shown[:199] + "…"
+        why = (
+            "holds a NUL character, which no command-line argument can"
+            if "\x00" in value
+            else "starts with '-', which an engine would read as an option"
+        )
+        super().__init__(
+            f"The command line would get {shown!r} for {{{placeholder}}}, which "
+            f"{why}; refused without a retry, the engine was not started."
+        )
+
+
+class _Arguments(string.Formatter):
+    """Fills in one job's command line as ``str.format`` would, refusing every
+    value it substitutes that starts with ``-`` or holds a NUL. Sources,
+    ``file:`` paths once decoded (``file:%2Drf`` is ``-rf``) and params all come
+    from manifests: whatever the server checked, the worker checks again what
+    the engine would really get."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._placeholder = ""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
+        self._placeholder = field_name
+        return super().get_field(field_name, args, kwargs)
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        text = super().format_field(value, format_spec)
+        if text.startswith("-") or "\x00" in text:
+            raise UnsafeArgument(self._placeholder, text)
+        return text
+
+
+def command_line(argv: list[str], values: dict[str, Any]) -> list[str]:
+    """The engine's arguments: each of the template's, filled in. Raises
+    MissingParam or UnsafeArgument, and then no engine may run."""
+    arguments = _Arguments()
+    return [arguments.vformat(arg, (), values) for arg in argv]
+
+
 def source_path(source: str) -> str:
     """A ``file://`` URL as a local path; anything else unchanged."""
     parsed = urllib.parse.urlsplit(source)
@@ -790,13 +837,15 @@ class CommandEngine(Engine):
     def _run(self, job: Job, cancel: Cancellation, outdir: str) -> Outcome:
         values = _placeholder_values(job, outdir)
         try:
-            argv = [arg.format(**values) for arg in self.argv]
+            argv = command_line(self.argv, values)
         except MissingParam as error:
             return Failure(
                 f"The command template needs params[{error.args[0]!r}], which this "
                 f"item does not have.",
                 retryable=False,
             )
+        except UnsafeArgument as error:
+            return Failure(str(error), retryable=False)
         try:
             proc = subprocess.Popen(
                 argv,

@@ -212,6 +212,87 @@ def test_a_template_is_split_once_and_each_argument_filled_in():
     ]
 
 
+def dashed(value: str, placeholder: str) -> str:
+    return (
+        f"The command line would get {value!r} for {{{placeholder}}}, which starts "
+        f"with '-', which an engine would read as an option; refused without a "
+        f"retry, the engine was not started."
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "item", "error"),
+    [
+        (
+            "--language {params[language]} {source_path}",
+            {"params": {"language": "--model=../../evil"}},
+            dashed("--model=../../evil", "params[language]"),
+        ),
+        (
+            "--language={params[language]} {source_path}",
+            {"params": {"language": "-x"}},
+            dashed("-x", "params[language]"),
+        ),
+        (
+            "--offset {params[offset]} {source_path}",
+            {"params": {"offset": -5}},
+            dashed("-5", "params[offset]"),
+        ),
+        (
+            "{source_path}",
+            {"source": "file:--output_dir=/etc"},
+            dashed("--output_dir=/etc", "source_path"),
+        ),
+        ("{source_path}", {"source": "file:%2Drf"}, dashed("-rf", "source_path")),
+        ("{source_path}", {"source": "FILE:%2d%2dx"}, dashed("--x", "source_path")),
+        ("{source}", {"source": "-rf"}, dashed("-rf", "source")),
+        (
+            "{source_path}",
+            {"source": "file:/a%00b"},
+            "The command line would get '/ab' for {source_path}, which holds a NUL "
+            "character, which no command-line argument can; refused without a "
+            "retry, the engine was not started.",
+        ),
+    ],
+)
+def test_a_value_an_engine_would_take_for_an_option_fails_for_good_unstarted(
+    tmp_path, template, item, error
+):
+    # The engine would leave a mark: it never runs.
+    marker = tmp_path / "engine-ran"
+    engine = rw.CommandEngine(
+        f"{sys.executable} -c 'open({str(marker)!r}, \"w\")' {template}",
+        timeout=None,
+        non_retryable=frozenset(),
+        workdir=str(tmp_path),
+        registry=rw.ProcessRegistry(),
+    )
+
+    outcome = engine.run(make_job(**item), rw.Cancellation())
+
+    assert outcome == rw.Failure(error, retryable=False)
+    assert not marker.exists()
+    assert list(tmp_path.iterdir()) == []  # its output directory is gone too
+
+
+def test_values_that_only_contain_a_dash_reach_the_engine(tmp_path):
+    engine = rw.CommandEngine(
+        f"{sys.executable} -c 'import sys; print(*sys.argv[1:])' "
+        "{params[language]} {source_path} --x={params[name]}",
+        timeout=None,
+        non_retryable=frozenset(),
+        workdir=str(tmp_path),
+        registry=rw.ProcessRegistry(),
+    )
+    job = make_job(
+        source="file:///audio/-a-.wav", params={"language": "en-US", "name": "a-b"}
+    )
+
+    outcome = engine.run(job, rw.Cancellation())
+
+    assert outcome == rw.Success({"text": "en-US /audio/-a-.wav --x=a-b"})
+
+
 def test_a_missing_param_fails_the_job_not_the_worker():
     values = rw._placeholder_values(make_job(params={}), "/tmp/out")
 
