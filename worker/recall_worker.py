@@ -82,6 +82,8 @@ MAX_RESPONSE_BYTES = 1024 * 1024
 MAX_RETRY_AFTER_SECONDS = 300.0
 # The server's bound on segment times (seconds).
 MAX_SEGMENT_SECONDS = 10_000_000
+# The server refuses a body nesting arrays and objects deeper than this.
+MAX_JSON_DEPTH = 32
 
 # Environment variables the engine subprocess must not inherit (its token).
 PRIVATE_ENV_PREFIXES = ("RECALL_TOKEN", "RECALL_WORKER_")
@@ -503,19 +505,26 @@ def clean_text(value: Any, limit: int | None = None) -> str:
 
 
 def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
+    """A finite number that fits a float (JSON integers have no size: an
+    engine's 10**400 would overflow ``math.isfinite`` and ``float``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
-def _clean_json(value: Any) -> Any:
-    """Any JSON value made safe: clean strings, no NaN/Infinity."""
+def _clean_json(value: Any, depth: int) -> Any:
+    """Any JSON value made safe: clean strings, no NaN/Infinity, and null for
+    an array or object the server would find nested too deep (``depth``: the
+    level ``value`` has in the completion's body)."""
+    if isinstance(value, dict | list | tuple) and depth > MAX_JSON_DEPTH:
+        return None
     if isinstance(value, dict):
-        return {clean_text(k): _clean_json(v) for k, v in value.items()}
+        return {clean_text(k): _clean_json(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean_json(v) for v in value]
+        return [_clean_json(v, depth + 1) for v in value]
     if isinstance(value, str):
         return clean_text(value)
     if isinstance(value, float) and not math.isfinite(value):
@@ -547,7 +556,8 @@ def normalize_result(data: Any) -> dict:
     else:
         raise ValueError("the JSON has neither 'text' nor 'segments'")
     result = {
-        k: _clean_json(v)
+        # {"lease_token", "result": {k: v}}: v is on the body's third level.
+        k: _clean_json(v, 3)
         for k, v in data.items()
         if k not in ("text", "segments", "language")
     }
@@ -572,7 +582,7 @@ def _clean_segments(raw: Any) -> list[dict] | None:
         if start > MAX_SEGMENT_SECONDS:
             continue
         start = round(max(0.0, float(start)), 3)
-        end = round(min(max(start, float(end)), MAX_SEGMENT_SECONDS), 3)
+        end = round(max(start, float(min(end, MAX_SEGMENT_SECONDS))), 3)
         text = segment.get("text")
         segments.append({"start": start, "end": end, "text": clean_text(text or "")})
     return segments
@@ -596,6 +606,8 @@ def parse_output(stdout: bytes, outdir: str) -> dict:
                 data = json.loads(f.read())
             except ValueError as error:
                 raise ValueError(f"{name} is not valid JSON: {error}") from None
+            except RecursionError:
+                raise ValueError(f"{name} is nested too deeply") from None
         return normalize_result(data)
     text = stdout.decode("utf-8", "replace")
     if text.strip():
@@ -605,7 +617,7 @@ def parse_output(stdout: bytes, outdir: str) -> dict:
             if candidate.startswith("{"):
                 try:
                     return normalize_result(json.loads(candidate))
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
         return {"text": clean_text(stripped)}
     for name in (n for n in files if n.endswith(".txt")):
