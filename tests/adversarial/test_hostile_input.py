@@ -11,8 +11,12 @@ before these checks (or written by hand) would be.
 from __future__ import annotations
 
 import html
+import http.client
 import io
 import json
+import os
+import subprocess
+import sys
 import zipfile
 from urllib.parse import urlencode
 
@@ -45,7 +49,9 @@ from ..factories import (
     make_batch,
     make_endpoint,
     make_user,
+    make_worker,
 )
+from ..test_server import ROOT, start_server
 
 pytestmark = pytest.mark.django_db
 
@@ -416,6 +422,74 @@ def test_5_nesting_is_measured_and_cut_without_recursion():
         "d": 2,
     }
     assert flatten_deeper_than(text, 4) == text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_5_under_the_real_server_deep_json_is_refused_and_old_rows_shown(
+    tmp_path, superuser
+):
+    # The stack a request runs on decides where the recursion limit bites:
+    # under gunicorn, 937 levels were stored (200) and 941 were a 500.
+    subprocess.run(
+        [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],
+        cwd=ROOT,
+        env={**os.environ, "RECALL_VAR_DIR": str(tmp_path)},
+        check=True,
+        timeout=120,
+    )  # the admin's pages need the static files' manifest
+    process, port, log = start_server(tmp_path, 1, 4)
+    try:
+        worker = make_worker("gpu-1")
+        batch = make_batch(3)
+
+        def request(method: str, path: str, body: bytes = b"", **headers: str):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request(method, path, body=body or None, headers=headers)
+            response = conn.getresponse()
+            return response.status, response.read()
+
+        auth = {"Authorization": f"Bearer {worker.token}"}
+        for depth in (937, 941):
+            status, body = request("POST", "/api/v1/claim", b"{}", **auth)
+            leased = json.loads(body)["job"]
+            status, body = request(
+                "POST",
+                f"/api/v1/jobs/{leased['id']}/complete",
+                complete_body(leased["lease_token"], depth),
+                **auth,
+            )
+            assert (status, json.loads(body)["detail"]) == (400, TOO_DEEP)
+        done = claim(worker)
+        transitions.complete(
+            done.pk, done.lease_token, worker=worker, result={"text": "x"}, now=T0
+        )
+        store(Job, "result", done.pk, f'{{"text": "old", "deep": {nested(937)}}}')
+        client = Client()
+        client.force_login(superuser)
+        cookie = f"sessionid={client.cookies['sessionid'].value}"
+        _, token = tokens.issue_token(superuser, label="server", now=T0)
+
+        for url in (
+            "/admin/jobs/job/",
+            f"/admin/jobs/job/{done.pk}/change/",
+            "/admin/batches/batchitem/",
+            f"/admin/batches/batchitem/{done.item_id}/change/",
+            f"/items/{done.item_id}/",
+            f"/batches/{batch.pk}/export.zip",
+        ):
+            assert request("GET", url, Cookie=cookie)[0] == 200, url
+        status, body = request(
+            "GET",
+            f"/api/v1/batches/{batch.pk}/items?state=done",
+            Authorization=f"Bearer {token}",
+        )
+        assert status == 200
+        (item,) = json.loads(body)["items"]
+        assert item["result"]["deep"] == flattened(937, MAX_JSON_DEPTH - 1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "Traceback" not in log.read_text()
 
 
 # --- 6. Integers past every float --------------------------------------------------
