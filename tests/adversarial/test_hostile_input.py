@@ -670,6 +670,25 @@ def test_7_query_numbers_must_be_ascii_digits_of_a_sane_length(site, operator_ap
             assert error_of(response)["detail"] == detail
 
 
+@pytest.mark.parametrize("value", ["١", "１", "²", HUGE, "0", "-1"])
+def test_7_recallctl_takes_batch_ids_in_ascii_digits_only(value):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "worker" / "recallctl.py"), "status", value],
+        env={
+            "PATH": os.environ["PATH"],
+            "RECALL_URL": "http://127.0.0.1:9",
+            "RECALL_API_TOKEN": "rct_x",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+    assert result.returncode == 4
+    assert result.stderr.endswith(f"argument id: {value!r} is not a batch id\n")
+    assert "cannot reach" not in result.stderr  # refused before any request
+
+
 def test_7_whole_numbers_are_ascii_digits_only():
     assert whole_number("0") == 0
     assert whole_number("0042") == 42
