@@ -28,23 +28,35 @@ from typing import Any
 MAX_JSON_DEPTH = 32
 
 # A JSON string literal, escapes included (the unrolled form: linear, no
-# backtracking), and a run of anything that is not a bracket.
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+# backtracking), or one bracket: the tokens flatten_deeper_than walks.
 _TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
-# Opening brackets count +1, closing ones -1 (as signed bytes).
+# Opening brackets count +1, closing ones -1 (as signed bytes); every other
+# byte is dropped.
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
 
 
-def nested_deeper_than(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON document ``text`` nests arrays and objects more than
-    ``limit`` levels deep, found in linear time without recursing (brackets
-    inside strings do not count). For text that is not JSON the answer means
-    nothing, but it is an answer: the parser then says what is wrong."""
-    if text.count("[") + text.count("{") <= limit:
+def nested_deeper_than(document: str | bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON ``document`` nests arrays and objects more than
+    ``limit`` levels deep, found without recursing, in a few linear passes of
+    C (a body of several megabytes costs about what parsing it does). Brackets
+    inside strings do not count. For a document that is not JSON the answer
+    means nothing, but it is an answer: the parser then says what is wrong."""
+    data = (
+        document.encode("utf-8", "surrogatepass")
+        if isinstance(document, str)
+        else document
+    )
+    if data.count(b"[") + data.count(b"{") <= limit:
         return False  # not enough brackets to nest that deep
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    steps = array("b", brackets.encode("ascii").translate(_STEPS))
+    if b'\\"' in data:
+        # An escaped quote ends no string: drop escaped backslashes first (a
+        # string may end in one), then escaped quotes.
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Every quote left opens or closes a string: what lies outside strings is
+    # every other piece between them. (UTF-8 never hides these ASCII bytes.)
+    outside = b"".join(data.split(b'"')[::2])
+    steps = array("b", outside.translate(_STEPS, _NOT_BRACKETS))
     return max(accumulate(steps), default=0) > limit
 
 

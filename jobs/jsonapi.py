@@ -81,7 +81,7 @@ def json_object_body(request: HttpRequest) -> dict:
         raise bad_request("The body is not valid UTF-8.") from None
     # Before parsing: the parser recurses once per level, and so does every
     # later reader of what is stored (pages, exports, the database adapter).
-    if nested_deeper_than(text, MAX_JSON_DEPTH):
+    if nested_deeper_than(raw, MAX_JSON_DEPTH):
         raise bad_request(
             f"The body is nested too deeply: at most {MAX_JSON_DEPTH} levels of "
             f"arrays and objects within each other."

@@ -413,6 +413,11 @@ def test_5_nesting_is_measured_and_cut_without_recursion():
     assert nested_deeper_than(nested(33), 32)
     assert not nested_deeper_than('{"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["}', 2)
     assert not nested_deeper_than(r'["\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["]', 2)
+    # A string ending in an escaped backslash; brackets and quotes in UTF-8.
+    assert nested_deeper_than(rb'["a\\", [[[1]]]]', 3)
+    assert not nested_deeper_than(rb'["a\\", [[1]]]', 3)
+    utf8 = '["é[[[[[", "\\"[[[[[[", {"ü": []}]'.encode()
+    assert (nested_deeper_than(utf8, 2), nested_deeper_than(utf8, 3)) == (True, False)
     assert nested_deeper_than(nested(5_000_000), 32)  # no RecursionError
     assert not nested_deeper_than("[]" * 5_000_000, 32)
     text = '{"a": [[["x\\"]"]]], "b": [[{"c": 1}]], "d": 2}'
