@@ -29,12 +29,11 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from batches.models import Batch
+from batches.numbers import MAX_ID, whole_number
 
 # Above this many rows (planner's estimate) an unfiltered list shows an estimate
 # instead of running COUNT(*) over the whole table.
 ESTIMATE_ABOVE = 100_000
-# Largest id a PostgreSQL bigint holds: a bigger number cannot match anything.
-MAX_ID = 2**63 - 1
 # Rows listed by name on a confirmation page (the counts cover all of them).
 SAMPLE_SIZE = 20
 # Batches offered by the batch filter: the newest ones (plus the selected one).
@@ -119,11 +118,9 @@ def estimated_rows(queryset: QuerySet) -> int | None:
 
 
 def as_id(term: str) -> int | None:
-    """``term`` as a row id if it is a whole number, else None."""
-    term = term.strip()
-    if not (term.isascii() and term.isdigit()):
-        return None
-    return int(term)
+    """``term`` as a row id if it is a whole number, else None (a number too
+    big for an id, however long, is MAX_ID + 1)."""
+    return whole_number(term.strip())
 
 
 def id_search(queryset: QuerySet, term: str, field: str = "pk") -> QuerySet | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import TypeGuard
 from django.db.models.fields.json import KeyTextTransform
 
 from .models import Batch, BatchItem, ItemStatus
+from .numbers import is_number
 from .zipstream import stream_zip
 
 CHUNK = 2_000
@@ -171,12 +171,8 @@ def srt(segments: object) -> str:
 
 
 def _seconds(value: object) -> TypeGuard[int | float]:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 <= value <= MAX_SEGMENT_SECONDS
-    )
+    # is_number, not math.isfinite: that overflows on an integer past 1e308.
+    return is_number(value) and 0 <= value <= MAX_SEGMENT_SECONDS
 
 
 def _text(value: object) -> str:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import codecs
 import csv
-import math
 import re
 import unicodedata
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -28,6 +28,7 @@ from jobs import transitions
 from jobs.transitions import ItemRow
 
 from .models import Batch
+from .numbers import is_number, shown
 
 MAX_SOURCE_CHARS = 4096
 MAX_PARAM_CHARS = 10_000
@@ -140,7 +141,16 @@ def _parse_csv(
                 yield line
 
     reader = csv.reader(physical())
-    header = [cell.strip() for cell in next(reader)]
+    try:
+        header = [cell.strip() for cell in next(reader)]
+    except csv.Error as error:
+        yield LineError(header_line, f"malformed CSV header: {error}")
+        return
+    # Column names become the params' keys, which PostgreSQL cannot store
+    # with a NUL (psycopg refuses the whole batch with a DataError).
+    if any("\x00" in name for name in header):
+        yield LineError(header_line, "a column name in the header has a NUL character")
+        return
     lowered = [h.lower() for h in header]
     duplicates = sorted({h for h in lowered if lowered.count(h) > 1})
     if duplicates:
@@ -238,11 +248,33 @@ def _source_problem(source: str, *, sent: int = 0) -> str | None:
             "(write ./-name for a file whose name starts with '-')"
         )
     scheme = source_scheme(source)
+    if scheme == "file" and (problem := _file_path_problem(source)):
+        return problem
     allowed = settings.RECALL_SOURCE_SCHEMES
     if scheme is not None and scheme not in allowed:
         return (
             f"the scheme {scheme + ':'!r} is not allowed; use a plain path or one "
             f"of {', '.join(s + ':' for s in allowed)} (RECALL_SOURCE_SCHEMES)"
+        )
+    return None
+
+
+def _file_path_problem(source: str) -> str | None:
+    """Why the path of the ``file:`` URL ``source`` cannot reach an engine, or
+    None. Workers hand engines the path with its %-escapes decoded (the
+    reference worker's ``{source_path}``), so ``file:%2Drf`` arrives as
+    ``-rf``: the checks on the source hold for the decoded path too."""
+    path = urllib.parse.unquote(urllib.parse.urlsplit(source).path)
+    if path.startswith("-"):
+        return (
+            f"the source's path starts with '-' once decoded ({path[:100]!r}), "
+            f"which an engine would read as an option (write the whole path, "
+            f"file:///dir/-name, for a file whose name starts with '-')"
+        )
+    if any(unicodedata.category(char) in ("Cc", "Cf") for char in path):
+        return (
+            "the source's path contains a control or invisible formatting "
+            "character once decoded (%-escapes such as %00 or %0A)"
         )
     return None
 
@@ -270,15 +302,17 @@ def _duration(text: str) -> tuple[int | None, str | None]:
     return _duration_ms(seconds, text.strip())
 
 
-def _duration_ms(seconds: float, shown: str) -> tuple[int | None, str | None]:
-    """A duration in seconds as milliseconds, or why it cannot be one."""
-    if not math.isfinite(seconds) or seconds < 0:
+def _duration_ms(seconds: float, text: str) -> tuple[int | None, str | None]:
+    """A duration in seconds (a float, or an integer of any size) as
+    milliseconds, or why it cannot be one (``text``: the value as given)."""
+    if not is_number(seconds) or seconds < 0:
         return (
             None,
-            f"duration_seconds {shown!r} must be a number of seconds, 0 or more",
+            f"duration_seconds {text!r} must be a number of seconds, 0 or more",
         )
+    # Compared before any conversion: float() overflows on a huge integer.
     if seconds > MAX_DURATION_SECONDS:
-        return (None, f"duration_seconds {shown!r} is more than {MAX_DURATION_SECONDS}")
+        return (None, f"duration_seconds {text!r} is more than {MAX_DURATION_SECONDS}")
     return round(seconds * 1000), None
 
 
@@ -419,9 +453,9 @@ def item_entry(index: int, item: object) -> Entry | ItemError:
     duration_ms = None
     seconds = item.get("duration_seconds")
     if seconds is not None:
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        if not is_number(seconds):
             return ItemError(index, "'duration_seconds' must be a number or null")
-        duration_ms, problem = _duration_ms(float(seconds), str(seconds))
+        duration_ms, problem = _duration_ms(seconds, shown(seconds))
         if problem:
             return ItemError(index, problem)
     params = item.get("params")

@@ -17,6 +17,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from .json_limits import StoredJSONDecoder
 from .models import Batch
 
 
@@ -62,7 +63,7 @@ class Intake(models.Model):
         Batch, null=True, blank=True, on_delete=models.SET_NULL, related_name="intake"
     )
     # The first problems, as the form shows them: [{"line": n, "message": "..."}].
-    errors = models.JSONField(default=list, blank=True)
+    errors = models.JSONField(default=list, blank=True, decoder=StoredJSONDecoder)
     total_errors = models.PositiveIntegerField(default=0)
     detail = models.TextField(blank=True)
 

@@ -15,6 +15,8 @@ from django.db.models import F, Q, Sum
 from django.urls import reverse
 from django.utils import timezone
 
+from .json_limits import StoredJSONDecoder
+
 # Fair share (stride scheduling): each claim that a batch wins over another open
 # batch of its priority adds VIRTUAL_TIME_STRIDE // weight to its virtual time,
 # and claims go to the batch with the least. Weights run 1..MAX_WEIGHT.
@@ -169,7 +171,7 @@ class BatchItem(models.Model):
         Batch, on_delete=models.CASCADE, related_name="items", db_index=False
     )
     source = models.TextField()
-    params = models.JSONField(default=dict, blank=True)
+    params = models.JSONField(default=dict, blank=True, decoder=StoredJSONDecoder)
     # Whole milliseconds, so the counters' duration sums stay exact (no float drift).
     duration_ms = models.PositiveBigIntegerField(null=True, blank=True)
     status = models.CharField(

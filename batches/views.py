@@ -50,6 +50,7 @@ from .intake import LineError, ManifestInvalid, create_batch
 from .intakes import Intake, IntakeStatus
 from .live import fragment
 from .models import Batch, BatchItem, ItemStatus
+from .numbers import MAX_ID, whole_number
 from .progress import (
     BatchState,
     chart_geometry,
@@ -167,8 +168,8 @@ def _items_page(
     items, order: tuple[str, ...], request: HttpRequest, count: int | None
 ) -> ItemsPage:
     def cursor(name: str) -> int | None:
-        value = request.GET.get(name, "")
-        return int(value) if value.isdigit() and len(value) < 19 else None
+        number = whole_number(request.GET.get(name, ""))
+        return number if number is not None and number <= MAX_ID else None
 
     def nearest(items) -> bool:
         # Ordered, not exists(): unordered, PostgreSQL may answer from a scan
@@ -331,8 +332,12 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
     job = item.job
     leases = job.leases.select_related("worker").order_by("claimed_at", "pk")
     events = job.events.select_related("actor").order_by("-created_at", "-pk")
-    result = job.result or {}
-    text = result.get("text", "") if isinstance(result, dict) else ""
+    # A stored result is read as it is: rows written before the API checked
+    # them as closely may hold any JSON value.
+    result = job.result if isinstance(job.result, dict) else {}
+    text = result.get("text", "")
+    text = text if isinstance(text, str) else ""
+    segments = result.get("segments")
     return render(
         request,
         "batches/item.html",
@@ -344,10 +349,8 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "events": events,
             "transcript": text[:5000],
             "transcript_truncated": len(text) > 5000,
-            "segments": len(result.get("segments") or [])
-            if isinstance(result, dict)
-            else 0,
-            "language": result.get("language", "") if isinstance(result, dict) else "",
+            "segments": len(segments) if isinstance(segments, list) else 0,
+            "language": result.get("language", ""),
             "now": transitions.now(),
             "nav": "batches",
         },

@@ -10,7 +10,6 @@ A request's time is the database's, read with the worker's token.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
@@ -20,6 +19,8 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
+
+from batches.numbers import is_number, shown
 
 from . import transitions
 from .exceptions import LeaseLost
@@ -127,8 +128,8 @@ def _result(body: dict) -> dict:
         for n, segment in enumerate(segments):
             if not (
                 isinstance(segment, dict)
-                and _is_number(segment.get("start"))
-                and _is_number(segment.get("end"))
+                and is_number(segment.get("start"))
+                and is_number(segment.get("end"))
                 and isinstance(segment.get("text"), str)
                 and 0 <= segment["start"] <= segment["end"] <= MAX_SEGMENT_SECONDS
             ):
@@ -140,19 +141,11 @@ def _result(body: dict) -> dict:
     return result
 
 
-def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
-
-
 def _wait_seconds(body: dict) -> float:
     """How long a claim may wait for work: a number from 0 to 60 (0: answer now)."""
     value = body.get("wait_seconds", 0)
-    if not _is_number(value) or not 0 <= value <= MAX_WAIT_SECONDS:
-        given = value if _is_number(value) else json_type(value)
+    if not is_number(value) or not 0 <= value <= MAX_WAIT_SECONDS:
+        given = shown(value) if is_number(value) else json_type(value)
         raise bad_request(
             f"Field 'wait_seconds' must be a number from 0 to {MAX_WAIT_SECONDS}, "
             f"not {given}."

@@ -1,18 +1,22 @@
 """JSON API plumbing shared by the worker API (``jobs.api``) and the operator
 API (``operator_api.views``): one error shape, ``{"error": <code>, "detail":
-<sentence>}``, and one careful reading of a JSON body (size limit, UTF-8, no NUL,
-no lone surrogates, finite numbers). Bad input is a 4xx, never a 500.
+<sentence>}``, and one careful reading of a JSON body (size limit, UTF-8, at
+most ``MAX_JSON_DEPTH`` levels of nesting, no NUL, no lone surrogates, finite
+numbers). Bad input is a 4xx, never a 500.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
+
+from batches.json_limits import MAX_JSON_DEPTH, nested_deeper_than
 
 
 class ApiError(Exception):
@@ -72,11 +76,18 @@ def json_object_body(request: HttpRequest) -> dict:
         # says so, and a body that is there must be an object).
         return {}
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("The body is not valid UTF-8.") from None
-    except RecursionError:
-        raise bad_request("The body is nested too deeply.") from None
+    # Before parsing: the parser recurses once per level, and so does every
+    # later reader of what is stored (pages, exports, the database adapter).
+    if nested_deeper_than(raw, MAX_JSON_DEPTH):
+        raise bad_request(
+            f"The body is nested too deeply: at most {MAX_JSON_DEPTH} levels of "
+            f"arrays and objects within each other."
+        )
+    try:
+        data = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int)
     except ValueError as error:
         raise bad_request(f"The body is not valid JSON: {error}.") from None
     if not isinstance(data, dict):
@@ -87,6 +98,18 @@ def json_object_body(request: HttpRequest) -> dict:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_int(digits: str) -> int:
+    """An integer of the body; one longer than Python converts (4,300 digits
+    by default) is refused in words a client understands."""
+    try:
+        return int(digits)
+    except ValueError:
+        raise ValueError(
+            f"a number has {len(digits.lstrip('-'))} digits, more than the "
+            f"{sys.get_int_max_str_digits()} allowed"
+        ) from None
 
 
 def _check_values(data: Any) -> None:

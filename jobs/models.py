@@ -20,6 +20,7 @@ from django.db.models import F, Min, Q
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from batches.json_limits import StoredJSONDecoder
 from batches.models import Batch, BatchItem, ItemStatus
 
 from .tokens import TOKEN_PREFIX_LENGTH
@@ -168,7 +169,7 @@ class Job(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     available_at = models.DateTimeField(default=timezone.now)
-    result = models.JSONField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True, decoder=StoredJSONDecoder)
     last_error = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
@@ -393,7 +394,7 @@ class SweepState(models.Model):
     locked_by = models.CharField(max_length=100, blank=True, default="")
     last_started_at = models.DateTimeField(null=True, blank=True)
     last_finished_at = models.DateTimeField(null=True, blank=True)
-    last_report = models.JSONField(default=dict, blank=True)
+    last_report = models.JSONField(default=dict, blank=True, decoder=StoredJSONDecoder)
     scan_cursor = models.BigIntegerField(default=0)
 
     def __str__(self) -> str:

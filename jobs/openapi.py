@@ -8,6 +8,16 @@ every documented response is the only kind of response a request can get.
 
 from __future__ import annotations
 
+from batches.json_limits import MAX_JSON_DEPTH
+
+# What every JSON body must be, whatever its schema says.
+BODY_RULES = (
+    f"Bodies are JSON objects nesting arrays and objects at most {MAX_JSON_DEPTH} "
+    f"levels deep (the body itself is level 1), without NUL characters, unpaired "
+    f"surrogates, NaN, infinite numbers (1e400) or integers of more than 4300 "
+    f"digits; anything else is a 400 bad_request."
+)
+
 ERROR_CODES = [
     "bad_request",
     "unauthorized",
@@ -44,7 +54,8 @@ def _json(schema_ref: str, description: str = "OK") -> dict:
 
 ERRORS = {
     "400": _error(
-        "Malformed JSON, not an object, a missing or ill-typed field, NUL bytes."
+        f"Malformed JSON, not an object, a missing or ill-typed field, NUL bytes, "
+        f"nested more than {MAX_JSON_DEPTH} levels deep, a number out of range."
     ),
     "401": _error("Missing or unknown worker token."),
     "403": _error("The worker is disabled."),
@@ -84,7 +95,7 @@ SPEC = {
         "description": (
             "Workers claim a job under a time-limited lease, heartbeat every "
             "heartbeat_interval seconds, then complete, fail or release it. Every "
-            "call needs 'Authorization: Bearer <worker token>'."
+            "call needs 'Authorization: Bearer <worker token>'. " + BODY_RULES
         ),
     },
     "tags": [{"name": "worker", "description": "For transcription workers."}],

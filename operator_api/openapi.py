@@ -36,7 +36,10 @@ ERRORS = {
 BATCH_ERRORS = {**ERRORS, "404": _error("No such batch.")}
 POST_ERRORS = {
     **BATCH_ERRORS,
-    "400": _error("Malformed JSON, not an object, an ill-typed field, NUL bytes."),
+    "400": _error(
+        f"Malformed JSON, not an object, an ill-typed field, NUL bytes, nested "
+        f"more than {worker_openapi.MAX_JSON_DEPTH} levels deep."
+    ),
     "413": _error("The body is larger than the configured limit."),
 }
 BATCH_ID = {
@@ -461,7 +464,8 @@ def _spec() -> dict:
             "token>'. Operator API (tag operator): pipelines submit batches, "
             "follow them and fetch results; every call needs 'Authorization: "
             "Bearer <API token>' (a user's personal token, with that user's "
-            "permissions). Neither kind of token is accepted by the other API."
+            "permissions). Neither kind of token is accepted by the other API. "
+            + worker_openapi.BODY_RULES
         ),
     }
     spec["tags"] = [

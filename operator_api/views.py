@@ -29,6 +29,7 @@ from batches.intake import (
     create_batch_from_items,
 )
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, Batch, BatchItem, ItemStatus
+from batches.numbers import whole_number
 from batches.progress import BatchState, in_state, progress_for, progress_for_many
 from batches.streaming import EXPORTS, export_response
 from jobs import transitions
@@ -179,18 +180,20 @@ def _cursor(request: HttpRequest) -> int | None:
     value = request.GET.get("cursor")
     if value is None:
         return None
-    if not value.isascii() or not value.isdigit() or int(value) > MAX_DB_ID:
+    number = whole_number(value)
+    if number is None or number > MAX_DB_ID:
         raise bad_request("'cursor' must be a next_cursor this API returned.")
-    return int(value)
+    return number
 
 
 def _limit(request: HttpRequest) -> int:
     value = request.GET.get("limit")
     if value is None:
         return PAGE_SIZE
-    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= PAGE_SIZE:
+    number = whole_number(value)
+    if number is None or not 1 <= number <= PAGE_SIZE:
         raise bad_request(f"'limit' must be a whole number from 1 to {PAGE_SIZE}.")
-    return int(value)
+    return number
 
 
 def _choice(request: HttpRequest, name: str, choices: tuple[str, ...]) -> str:

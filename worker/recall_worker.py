@@ -82,6 +82,8 @@ MAX_RESPONSE_BYTES = 1024 * 1024
 MAX_RETRY_AFTER_SECONDS = 300.0
 # The server's bound on segment times (seconds).
 MAX_SEGMENT_SECONDS = 10_000_000
+# The server refuses a body nesting arrays and objects deeper than this.
+MAX_JSON_DEPTH = 32
 
 # Environment variables the engine subprocess must not inherit (its token).
 PRIVATE_ENV_PREFIXES = ("RECALL_TOKEN", "RECALL_WORKER_")
@@ -503,19 +505,26 @@ def clean_text(value: Any, limit: int | None = None) -> str:
 
 
 def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-    )
+    """A finite number that fits a float (JSON integers have no size: an
+    engine's 10**400 would overflow ``math.isfinite`` and ``float``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
-def _clean_json(value: Any) -> Any:
-    """Any JSON value made safe: clean strings, no NaN/Infinity."""
+def _clean_json(value: Any, depth: int) -> Any:
+    """Any JSON value made safe: clean strings, no NaN/Infinity, and null for
+    an array or object the server would find nested too deep (``depth``: the
+    level ``value`` has in the completion's body)."""
+    if isinstance(value, dict | list | tuple) and depth > MAX_JSON_DEPTH:
+        return None
     if isinstance(value, dict):
-        return {clean_text(k): _clean_json(v) for k, v in value.items()}
+        return {clean_text(k): _clean_json(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean_json(v) for v in value]
+        return [_clean_json(v, depth + 1) for v in value]
     if isinstance(value, str):
         return clean_text(value)
     if isinstance(value, float) and not math.isfinite(value):
@@ -547,7 +556,8 @@ def normalize_result(data: Any) -> dict:
     else:
         raise ValueError("the JSON has neither 'text' nor 'segments'")
     result = {
-        k: _clean_json(v)
+        # {"lease_token", "result": {k: v}}: v is on the body's third level.
+        k: _clean_json(v, 3)
         for k, v in data.items()
         if k not in ("text", "segments", "language")
     }
@@ -572,7 +582,7 @@ def _clean_segments(raw: Any) -> list[dict] | None:
         if start > MAX_SEGMENT_SECONDS:
             continue
         start = round(max(0.0, float(start)), 3)
-        end = round(min(max(start, float(end)), MAX_SEGMENT_SECONDS), 3)
+        end = round(max(start, float(min(end, MAX_SEGMENT_SECONDS))), 3)
         text = segment.get("text")
         segments.append({"start": start, "end": end, "text": clean_text(text or "")})
     return segments
@@ -596,6 +606,8 @@ def parse_output(stdout: bytes, outdir: str) -> dict:
                 data = json.loads(f.read())
             except ValueError as error:
                 raise ValueError(f"{name} is not valid JSON: {error}") from None
+            except RecursionError:
+                raise ValueError(f"{name} is nested too deeply") from None
         return normalize_result(data)
     text = stdout.decode("utf-8", "replace")
     if text.strip():
@@ -605,7 +617,7 @@ def parse_output(stdout: bytes, outdir: str) -> dict:
             if candidate.startswith("{"):
                 try:
                     return normalize_result(json.loads(candidate))
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue
         return {"text": clean_text(stripped)}
     for name in (n for n in files if n.endswith(".txt")):
@@ -648,6 +660,53 @@ class _Params:
 
 class MissingParam(KeyError):
     """The command template needs a param this item does not have."""
+
+
+class UnsafeArgument(ValueError):
+    """A value the command line would get that an engine could take for an
+    option (it starts with ``-``), or that no argument can hold (a NUL)."""
+
+    def __init__(self, placeholder: str, value: str):
+        shown = clean_text(value)
+        shown = shown if len(shown) <= 200 else shown[:199] + "…"
+        why = (
+            "holds a NUL character, which no command-line argument can"
+            if "\x00" in value
+            else "starts with '-', which an engine would read as an option"
+        )
+        super().__init__(
+            f"The command line would get {shown!r} for {{{placeholder}}}, which "
+            f"{why}; refused without a retry, the engine was not started."
+        )
+
+
+class _Arguments(string.Formatter):
+    """Fills in one job's command line as ``str.format`` would, refusing every
+    value it substitutes that starts with ``-`` or holds a NUL. Sources,
+    ``file:`` paths once decoded (``file:%2Drf`` is ``-rf``) and params all come
+    from manifests: whatever the server checked, the worker checks again what
+    the engine would really get."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._placeholder = ""
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> Any:
+        self._placeholder = field_name
+        return super().get_field(field_name, args, kwargs)
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        text = super().format_field(value, format_spec)
+        if text.startswith("-") or "\x00" in text:
+            raise UnsafeArgument(self._placeholder, text)
+        return text
+
+
+def command_line(argv: list[str], values: dict[str, Any]) -> list[str]:
+    """The engine's arguments: each of the template's, filled in. Raises
+    MissingParam or UnsafeArgument, and then no engine may run."""
+    arguments = _Arguments()
+    return [arguments.vformat(arg, (), values) for arg in argv]
 
 
 def source_path(source: str) -> str:
@@ -790,13 +849,15 @@ class CommandEngine(Engine):
     def _run(self, job: Job, cancel: Cancellation, outdir: str) -> Outcome:
         values = _placeholder_values(job, outdir)
         try:
-            argv = [arg.format(**values) for arg in self.argv]
+            argv = command_line(self.argv, values)
         except MissingParam as error:
             return Failure(
                 f"The command template needs params[{error.args[0]!r}], which this "
                 f"item does not have.",
                 retryable=False,
             )
+        except UnsafeArgument as error:
+            return Failure(str(error), retryable=False)
         try:
             proc = subprocess.Popen(
                 argv,

@@ -411,7 +411,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def positive_id(value: str) -> int:
-    if not value.isdigit() or not 0 < int(value) < 2**63:
+    # ASCII digits only: isdigit() also accepts '²' (which int() refuses) and
+    # '١' (which int() reads as 1, another batch than the one meant).
+    digits = value.isascii() and value.isdigit() and len(value) <= 19
+    if not digits or not 0 < int(value) < 2**63:
         raise argparse.ArgumentTypeError(f"{value!r} is not a batch id")
     return int(value)
 

@@ -31,6 +31,7 @@ from batches.admin_support import (
     selects_across,
 )
 from batches.models import Batch, BatchItem
+from batches.numbers import whole_number
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease
 from jobs.sweep import sweep
@@ -70,10 +71,10 @@ class AttemptsFilter(admin.SimpleListFilter):
             return None
         if value == "exhausted":
             return queryset.filter(attempts__gte=F("max_attempts"))
-        if value.endswith("+") and value[:-1].isdigit():
-            return queryset.filter(attempts__gte=int(value[:-1]))
-        if value.isdigit():
-            return queryset.filter(attempts=int(value))
+        if value.endswith("+") and (least := whole_number(value[:-1])) is not None:
+            return queryset.filter(attempts__gte=least)
+        if (exactly := whole_number(value)) is not None:
+            return queryset.filter(attempts=exactly)
         return queryset.none()
 
 
@@ -239,8 +240,10 @@ class JobAdmin(BigTableAdmin):
     def result_preview(self, job: Job) -> str:
         if job.result is None:
             return "-"
-        text = Truncator(str(job.result.get("text", ""))).chars(2000)
-        segments = job.result.get("segments")
+        # Any JSON value: rows stored before the API checked results closely.
+        result = job.result if isinstance(job.result, dict) else {}
+        text = Truncator(str(result.get("text", ""))).chars(2000)
+        segments = result.get("segments")
         if isinstance(segments, list):
             return f"{text}\n({len(segments)} timed segments)"
         return text

@@ -10,8 +10,9 @@ its ``mode`` param (``--command '... {params[mode]} {source}'``):
 * ``hang``: record its pid and a child's in ``$FAKE_ENGINE_DIR`` and sleep;
 * ``hang-once``: ``hang`` the first time for this source, ``json`` after that.
 
-A hanging engine gives up by itself after HANG_SECONDS, so a failed test never
-leaves it running for long.
+Every run also leaves ``<job id>.ran`` in ``$FAKE_ENGINE_DIR`` (when set), so
+a test can tell which jobs an engine was started for. A hanging engine gives up
+by itself after HANG_SECONDS, so a failed test never leaves it running for long.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def hang(source: str) -> None:
 
 
 def main() -> int:
+    if directory := os.environ.get("FAKE_ENGINE_DIR"):
+        (Path(directory) / f"{os.environ.get('RECALL_JOB_ID')}.ran").touch()
     mode, source = sys.argv[1], sys.argv[2]
     if mode == "json":
         print("loading model...")  # noise before the JSON line

@@ -10,18 +10,21 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
 from batches.intake import create_batch
+from batches.models import BatchItem
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
 
 from ..factories import assert_consistent, jobs_of, make_batch, make_worker
 from .conftest import (
+    FAKE_ENGINE,
     FAKE_ENGINE_COMMAND,
     batch_with_modes,
     engine_records,
@@ -449,3 +452,52 @@ def test_sources_outside_the_source_root_fail_without_a_retry(start_worker, tmp_
         )
     # The engine got the checked path; the source itself is unchanged.
     assert jobs[1].result["text"] == f"fake transcript of file://{root}/in/a.wav"
+
+
+def test_values_an_engine_would_take_for_options_fail_for_good_unstarted(
+    start_worker, tmp_path
+):
+    # Intake refuses such sources now; rows written before it did (or by an
+    # older server) still reach workers: two are rewritten here as they were.
+    lines = ["source,mode\n"] + [f"/audio/{n}.wav,json\n" for n in range(4)]
+    batch = create_batch("options", lambda: iter(lines), now=timezone.now())
+    plain, param, encoded, raw = jobs_of(batch)
+    BatchItem.objects.filter(pk=param.item_id).update(
+        params={"mode": "--model=../../evil"}
+    )
+    BatchItem.objects.filter(pk=encoded.item_id).update(source="file:%2Drf")
+    BatchItem.objects.filter(pk=raw.item_id).update(source="file:--output_dir=/etc")
+    command = f"{sys.executable} {FAKE_ENGINE} {{params[mode]}} {{source_path}}"
+    proc = start_worker(make_worker(), "--command", command)
+
+    wait_for(
+        lambda: (
+            not Job.objects.filter(
+                batch=batch, status__in=[JobStatus.QUEUED, JobStatus.LEASED]
+            ).exists()
+        ),
+        what="every job finished",
+        workers=(proc,),
+    )
+
+    assert [status_of(job) for job in (plain, param, encoded, raw)] == [
+        JobStatus.COMPLETED,
+        JobStatus.FAILED,
+        JobStatus.FAILED,
+        JobStatus.FAILED,
+    ]
+    for job, placeholder, value in (
+        (param, "params[mode]", "--model=../../evil"),
+        (encoded, "source_path", "-rf"),
+        (raw, "source_path", "--output_dir=/etc"),
+    ):
+        job.refresh_from_db()
+        assert ledger(job) == [(LeaseEnd.FAILED, "gpu-1")]  # one attempt: no retry
+        assert job.last_error == (
+            f"The command line would get {value!r} for {{{placeholder}}}, which "
+            f"starts with '-', which an engine would read as an option; refused "
+            f"without a retry, the engine was not started."
+        )
+    # The engine ran for the plain item only.
+    ran = sorted(p.name for p in start_worker.engine_dir.glob("*.ran"))
+    assert ran == [f"{plain.pk}.ran"]

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batches.json_limits import MAX_JSON_DEPTH, nested_deeper_than
 from jobs import api
 
 from .conftest import WORKER_SCRIPT, load_worker_module
@@ -22,7 +23,9 @@ rw = load_worker_module()
 
 def server_accepts(result: dict) -> None:
     """The server's own validation of a completion body: raises if refused."""
-    body = json.loads(json.dumps({"result": result}, allow_nan=False))
+    text = json.dumps({"lease_token": "tok", "result": result}, allow_nan=False)
+    assert not nested_deeper_than(text, MAX_JSON_DEPTH)
+    body = json.loads(text)
     api._check_values(body)
     api._result(body)
 
@@ -115,6 +118,40 @@ def test_whatever_an_engine_prints_the_worker_sends_a_valid_result(data):
     except ValueError:
         return  # no transcript in it: the job is failed instead
     server_accepts(result)
+
+
+def nest(levels: int, inner: object = 1) -> object:
+    """``inner`` inside ``levels`` arrays (built without recursion)."""
+    for _ in range(levels):
+        inner = [inner]
+    return inner
+
+
+def test_engine_output_too_deep_or_too_large_for_the_server_is_trimmed(tmp_path):
+    # Nested past the server's 32 levels, integers past 1e308 (which overflow
+    # math.isfinite and float), and JSON deeper than Python's parser goes.
+    result = rw.normalize_result(
+        {
+            "text": "hi",
+            "shallow": nest(30),  # levels 3 to 32 of the body: kept
+            "deep": nest(31),  # one level too many: its innermost array is null
+            "count": 10**400,  # an integer the server stores as it is
+            "segments": [
+                {"start": 10**400, "end": 10**401, "text": "a"},
+                {"start": 1, "end": 10**400, "text": "b"},
+                {"start": 2, "end": 3, "text": "c"},
+            ],
+        }
+    )
+
+    assert result["shallow"] == nest(30)
+    assert result["deep"] == nest(30, None)
+    assert result["count"] == 10**400
+    assert result["segments"] == [{"start": 2.0, "end": 3.0, "text": "c"}]
+    server_accepts(result)
+    (tmp_path / "result.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"^result\.json is nested too deeply$"):
+        rw.parse_output(b"", str(tmp_path))
 
 
 def test_error_text_is_capped_from_the_end_and_cleaned():
@@ -210,6 +247,87 @@ def test_a_template_is_split_once_and_each_argument_filled_in():
         "--dur",
         "61.5",
     ]
+
+
+def dashed(value: str, placeholder: str) -> str:
+    return (
+        f"The command line would get {value!r} for {{{placeholder}}}, which starts "
+        f"with '-', which an engine would read as an option; refused without a "
+        f"retry, the engine was not started."
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "item", "error"),
+    [
+        (
+            "--language {params[language]} {source_path}",
+            {"params": {"language": "--model=../../evil"}},
+            dashed("--model=../../evil", "params[language]"),
+        ),
+        (
+            "--language={params[language]} {source_path}",
+            {"params": {"language": "-x"}},
+            dashed("-x", "params[language]"),
+        ),
+        (
+            "--offset {params[offset]} {source_path}",
+            {"params": {"offset": -5}},
+            dashed("-5", "params[offset]"),
+        ),
+        (
+            "{source_path}",
+            {"source": "file:--output_dir=/etc"},
+            dashed("--output_dir=/etc", "source_path"),
+        ),
+        ("{source_path}", {"source": "file:%2Drf"}, dashed("-rf", "source_path")),
+        ("{source_path}", {"source": "FILE:%2d%2dx"}, dashed("--x", "source_path")),
+        ("{source}", {"source": "-rf"}, dashed("-rf", "source")),
+        (
+            "{source_path}",
+            {"source": "file:/a%00b"},
+            "The command line would get '/ab' for {source_path}, which holds a NUL "
+            "character, which no command-line argument can; refused without a "
+            "retry, the engine was not started.",
+        ),
+    ],
+)
+def test_a_value_an_engine_would_take_for_an_option_fails_for_good_unstarted(
+    tmp_path, template, item, error
+):
+    # The engine would leave a mark: it never runs.
+    marker = tmp_path / "engine-ran"
+    engine = rw.CommandEngine(
+        f"{sys.executable} -c 'open({str(marker)!r}, \"w\")' {template}",
+        timeout=None,
+        non_retryable=frozenset(),
+        workdir=str(tmp_path),
+        registry=rw.ProcessRegistry(),
+    )
+
+    outcome = engine.run(make_job(**item), rw.Cancellation())
+
+    assert outcome == rw.Failure(error, retryable=False)
+    assert not marker.exists()
+    assert list(tmp_path.iterdir()) == []  # its output directory is gone too
+
+
+def test_values_that_only_contain_a_dash_reach_the_engine(tmp_path):
+    engine = rw.CommandEngine(
+        f"{sys.executable} -c 'import sys; print(*sys.argv[1:])' "
+        "{params[language]} {source_path} --x={params[name]}",
+        timeout=None,
+        non_retryable=frozenset(),
+        workdir=str(tmp_path),
+        registry=rw.ProcessRegistry(),
+    )
+    job = make_job(
+        source="file:///audio/-a-.wav", params={"language": "en-US", "name": "a-b"}
+    )
+
+    outcome = engine.run(job, rw.Cancellation())
+
+    assert outcome == rw.Success({"text": "en-US /audio/-a-.wav --x=a-b"})
 
 
 def test_a_missing_param_fails_the_job_not_the_worker():

@@ -4,6 +4,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from batches.intake import ManifestInvalid, create_batch, file_lines
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT
+from batches.numbers import whole_number
 
 
 class Command(BaseCommand):
@@ -84,5 +85,5 @@ class Command(BaseCommand):
 
 def _whole_number(text: str) -> int | None:
     """``text`` as a whole number written in plain digits, else None."""
-    text = text.strip()
-    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else None
+    number = whole_number(text.strip())
+    return number if number is not None and number < 10**9 else None
