@@ -22,7 +22,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from . import transitions
-from .exceptions import LeaseLost
+from .exceptions import LeaseLost, TooManyLeases
 from .jsonapi import (
     ApiError,
     bad_request,
@@ -35,7 +35,7 @@ from .jsonapi import _check_values as _check_values  # the reference worker's te
 from .metrics import count_request, observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
-from .transitions.rules import heartbeat_interval
+from .transitions.rules import heartbeat_interval, max_leases
 from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, Waiter
 
 log = logging.getLogger("recall.api")
@@ -71,6 +71,13 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
             if job_id is not None and not Job.objects.filter(pk=job_id).exists():
                 return _no_such_job(job_id).response()
             return error_response(409, "lease_lost", str(error))
+        except TooManyLeases as error:
+            return error_response(
+                429,
+                "too_many_leases",
+                str(error),
+                {"Retry-After": str(heartbeat_interval())},
+            )
         # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
     return observed(wrapper)
@@ -179,15 +186,11 @@ def _no_such_job(job_id: int) -> ApiError:
 @worker_endpoint
 def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpResponse:
     wait = _wait_seconds(body)
-    cap = settings.RECALL_MAX_LEASES_PER_WORKER
+    # The claim enforces the cap (in its own transaction); a worker that held
+    # that many when it was authenticated is refused without trying.
+    cap = max_leases()
     if worker.live_leases >= cap:
-        raise ApiError(
-            429,
-            "too_many_leases",
-            f"Worker {worker.name!r} already holds {worker.live_leases} live leases "
-            f"(the limit is {cap}): finish, fail or release one before claiming more.",
-            {"Retry-After": str(heartbeat_interval())},
-        )
+        raise TooManyLeases(worker.name, worker.live_leases, cap)
     # Asked to wait and the server can hold the request without a thread
     # (jobs/waiter.py): it keeps the 204 and, when work may have come, claims
     # again with claims_for_waiting (below), or sends the 204 when the wait is
@@ -197,7 +200,7 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
         waiter = None
     if wait and waiter and waiter.quiet and waiter.park(wait, request.body):
         return HttpResponse(status=204)
-    job = transitions.claim_next(worker, now=now)
+    job = transitions.claim_next(worker, now=now, max_leases=cap)
     if job is None:
         if wait and waiter:
             waiter.park(wait, request.body)
@@ -210,7 +213,9 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
     probe found work: for each request's ``Authorization`` header, in order,
     the JSON body of its 200, or None when the claim view itself must answer
     it (its worker is unknown, disabled or at its lease cap by now: a 401, 403
-    or 429). Stops at the first claim that finds nothing: the rest wait on.
+    or 429; the cap is the claim's own, so a worker with many waiting claims
+    gets no more than its cap from one wave). Stops at the first claim that
+    finds nothing: the rest wait on.
 
     Each claim is the view's (the worker's authentication, then
     ``claim_next``, its own transaction), on the caller's thread, without
@@ -218,7 +223,7 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
     workers are read in one statement: for a wave of hundreds of waiting
     workers that was most of the cost (BENCHMARKS.md, row 15).
     """
-    cap = settings.RECALL_MAX_LEASES_PER_WORKER
+    cap = max_leases()
     tokens = [bearer_token(authorization) for authorization in authorizations]
     for worker, now in transitions.authenticate_workers(tokens):
         started = time.perf_counter()
@@ -232,8 +237,14 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
             continue
         transitions.touch_worker(worker, now=now)
         # Each claim on its own statement's clock: the workers were read
-        # together, the claims come one after another.
-        job = transitions.claim_next(worker)
+        # together, the claims come one after another (and each counts the
+        # worker's leases again: an earlier claim of this wave may have been
+        # its own).
+        try:
+            job = transitions.claim_next(worker, max_leases=cap)
+        except TooManyLeases:
+            yield None
+            continue
         if job is None:
             return
         body = JsonResponse(claimed(job)).content
