@@ -21,7 +21,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from . import transitions
+from . import transitions, worker_limits
 from .exceptions import LeaseLost, TooManyLeases
 from .jsonapi import (
     ApiError,
@@ -61,6 +61,7 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
                     {"Allow": "POST"},
                 )
             worker, now = authenticate(request)
+            throttle(worker)
             body = json_object_body(request)
             transitions.touch_worker(worker, now=now)
             return view(request, worker, body, now=now, **kwargs)
@@ -110,6 +111,24 @@ def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
     if not worker.is_active:
         raise ApiError(403, "forbidden", f"Worker {worker.name!r} is disabled.")
     return worker, now
+
+
+def throttle(worker: Worker) -> None:
+    """Refuse a request of a worker past its rate (``RECALL_WORKER_RATE_PER_SECOND``
+    in bursts of up to ``RECALL_WORKER_RATE_BURST``, counted by the whole
+    server: ``jobs/worker_limits.py``) with 429 ``rate_limited``, before it
+    costs more than its authentication."""
+    rate = settings.RECALL_WORKER_RATE_PER_SECOND
+    burst = settings.RECALL_WORKER_RATE_BURST
+    wait = worker_limits.take_request(worker.pk, rate=rate, burst=burst)
+    if wait:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"Worker {worker.name!r} is over its request rate ({rate:g} a second, "
+            f"in bursts of up to {burst}): retry after Retry-After seconds.",
+            {"Retry-After": str(max(1, math.ceil(wait)))},
+        )
 
 
 def _lease_token(body: dict) -> str:
@@ -194,16 +213,21 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
     # Asked to wait and the server can hold the request without a thread
     # (jobs/waiter.py): it keeps the 204 and, when work may have come, claims
     # again with claims_for_waiting (below), or sends the 204 when the wait is
-    # over. If its probe found nothing a moment ago, it waits for the next.
+    # over. If its probe found nothing a moment ago, it waits for the next. A
+    # worker with RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims waiting already
+    # is answered at once, as if it had not asked to wait.
     waiter = request.META.get(WAITER_KEY)
-    if not isinstance(waiter, Waiter):
+    if not isinstance(waiter, Waiter) or not wait:
         waiter = None
-    if wait and waiter and waiter.quiet and waiter.park(wait, request.body):
-        return HttpResponse(status=204)
+    limit = settings.RECALL_MAX_WAITING_CLAIMS_PER_WORKER
+    if waiter and waiter.quiet:
+        if waiter.park(wait, request.body, worker=worker.pk, limit=limit):
+            return HttpResponse(status=204)
+        waiter = None  # the wait is over, or the worker may not wait more
     job = transitions.claim_next(worker, now=now, max_leases=cap)
     if job is None:
-        if wait and waiter:
-            waiter.park(wait, request.body)
+        if waiter:
+            waiter.park(wait, request.body, worker=worker.pk, limit=limit)
         return HttpResponse(status=204)
     return JsonResponse(claimed(job))
 
