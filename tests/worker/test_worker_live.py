@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 from datetime import timedelta
 
@@ -449,3 +450,34 @@ def test_sources_outside_the_source_root_fail_without_a_retry(start_worker, tmp_
         )
     # The engine got the checked path; the source itself is unchanged.
     assert jobs[1].result["text"] == f"fake transcript of file://{root}/in/a.wav"
+
+
+def test_a_rate_limited_worker_waits_as_told_and_finishes_its_work(
+    start_worker, settings
+):
+    """The server holds the worker to one request a second (bursts of two):
+    its calls get 429 rate_limited with a Retry-After, it waits at least
+    that long before each retry, and every job still completes, once."""
+    settings.RECALL_WORKER_RATE_PER_SECOND = 1
+    settings.RECALL_WORKER_RATE_BURST = 2
+    batch = make_batch(durations=[2, 2, 2, 2], now=timezone.now())
+    proc = start_worker(make_worker("gpu-1"), "--simulate", "--simulate-factor=0.5")
+
+    wait_for(
+        lambda: (
+            not Job.objects.filter(batch=batch)
+            .exclude(status=JobStatus.COMPLETED)
+            .exists()
+        ),
+        timeout=60,
+        what="every job completed",
+        workers=(proc,),
+    )
+
+    waits = re.findall(
+        r"failed \(HTTP 429 rate_limited: .*?\); retry \d+ in ([\d.]+)s", proc.log()
+    )
+    assert waits, proc.log()
+    assert min(float(wait) for wait in waits) >= 1.0
+    for job in jobs_of(batch):
+        assert ledger(job) == [(LeaseEnd.COMPLETED, "gpu-1")]
