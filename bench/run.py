@@ -175,6 +175,10 @@ def _setup_django(database_url: str) -> None:
     os.environ.setdefault("LOG_LEVEL", "WARNING")
     os.environ["CONN_MAX_AGE"] = "600"
     os.environ["RECALL_METRICS_TOKEN"] = secrets.token_urlsafe(24)
+    # A bench worker's no-op jobs make it claim and complete hundreds of times
+    # a second, far past any real worker's request rate: the limit is counted
+    # on every request, here and in the servers started below, but never bites.
+    os.environ.setdefault("RECALL_WORKER_RATE_PER_SECOND", "1000000")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "recall_site.settings")
     import django
 
@@ -193,10 +197,6 @@ def _launch_gunicorn(**extra: str) -> tuple[subprocess.Popen, int]:
 
     port = free_port()
     env = {
-        # A bench worker's no-op jobs make it claim and complete hundreds of
-        # times a second, far past any real worker's request rate: the limit
-        # is counted on every request, as in production, but never bites.
-        "RECALL_WORKER_RATE_PER_SECOND": "1000000",
         **os.environ,
         "RECALL_BIND": f"127.0.0.1:{port}",
         "RECALL_STARTUP_SWEEP": "quick",
