@@ -74,10 +74,13 @@ STARTUP_SWEEP = os.environ.get("RECALL_STARTUP_SWEEP", "full")
 
 
 def on_starting(server):
-    from jobs import metric_files
+    from jobs import metric_files, worker_limits
     from recall_site.gunicorn_worker import remove_leftovers
 
     metric_files.prepare(METRICS_DIR)
+    # The per-worker limits' shared table, made before the first fork so that
+    # every worker process counts in it (jobs/worker_limits.py).
+    worker_limits.prepare()
     for path in remove_leftovers():
         server.log.info("removed %s, left by a server no longer running", path)
     if STARTUP_SWEEP == "off":
@@ -128,9 +131,11 @@ def post_worker_init(worker):
 
 
 def child_exit(server, worker):
-    from jobs import metric_files
+    from jobs import metric_files, worker_limits
 
     metric_files.retire(worker.pid, METRICS_DIR)
+    # Its waiting claims went with it (killed or not): stop counting them.
+    worker_limits.forget_process(worker.pid)
 
 
 def on_exit(server):

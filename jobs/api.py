@@ -10,6 +10,7 @@ A request's time is the database's, read with the worker's token.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
@@ -22,8 +23,8 @@ from django.views.decorators.csrf import csrf_exempt
 
 from batches.numbers import is_number, shown
 
-from . import transitions
-from .exceptions import LeaseLost
+from . import transitions, worker_limits
+from .exceptions import LeaseLost, TooManyLeases
 from .jsonapi import (
     ApiError,
     bad_request,
@@ -36,7 +37,7 @@ from .jsonapi import _check_values as _check_values  # the reference worker's te
 from .metrics import count_request, observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
-from .transitions.rules import heartbeat_interval
+from .transitions.rules import heartbeat_interval, max_leases
 from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, Waiter
 
 log = logging.getLogger("recall.api")
@@ -62,6 +63,7 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
                     {"Allow": "POST"},
                 )
             worker, now = authenticate(request)
+            throttle(worker)
             body = json_object_body(request)
             transitions.touch_worker(worker, now=now)
             return view(request, worker, body, now=now, **kwargs)
@@ -72,6 +74,13 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
             if job_id is not None and not Job.objects.filter(pk=job_id).exists():
                 return _no_such_job(job_id).response()
             return error_response(409, "lease_lost", str(error))
+        except TooManyLeases as error:
+            return error_response(
+                429,
+                "too_many_leases",
+                str(error),
+                {"Retry-After": str(heartbeat_interval())},
+            )
         # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
     return observed(wrapper)
@@ -104,6 +113,24 @@ def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
     if not worker.is_active:
         raise ApiError(403, "forbidden", f"Worker {worker.name!r} is disabled.")
     return worker, now
+
+
+def throttle(worker: Worker) -> None:
+    """Refuse a request of a worker past its rate (``RECALL_WORKER_RATE_PER_SECOND``
+    in bursts of up to ``RECALL_WORKER_RATE_BURST``, counted by the whole
+    server: ``jobs/worker_limits.py``) with 429 ``rate_limited``, before it
+    costs more than its authentication."""
+    rate = settings.RECALL_WORKER_RATE_PER_SECOND
+    burst = settings.RECALL_WORKER_RATE_BURST
+    wait = worker_limits.take_request(worker.pk, rate=rate, burst=burst)
+    if wait:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"Worker {worker.name!r} is over its request rate ({rate:g} a second, "
+            f"in bursts of up to {burst}): retry after Retry-After seconds.",
+            {"Retry-After": str(max(1, math.ceil(wait)))},
+        )
 
 
 def _lease_token(body: dict) -> str:
@@ -172,28 +199,29 @@ def _no_such_job(job_id: int) -> ApiError:
 @worker_endpoint
 def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpResponse:
     wait = _wait_seconds(body)
-    cap = settings.RECALL_MAX_LEASES_PER_WORKER
+    # The claim enforces the cap (in its own transaction); a worker that held
+    # that many when it was authenticated is refused without trying.
+    cap = max_leases()
     if worker.live_leases >= cap:
-        raise ApiError(
-            429,
-            "too_many_leases",
-            f"Worker {worker.name!r} already holds {worker.live_leases} live leases "
-            f"(the limit is {cap}): finish, fail or release one before claiming more.",
-            {"Retry-After": str(heartbeat_interval())},
-        )
+        raise TooManyLeases(worker.name, worker.live_leases, cap)
     # Asked to wait and the server can hold the request without a thread
     # (jobs/waiter.py): it keeps the 204 and, when work may have come, claims
     # again with claims_for_waiting (below), or sends the 204 when the wait is
-    # over. If its probe found nothing a moment ago, it waits for the next.
+    # over. If its probe found nothing a moment ago, it waits for the next. A
+    # worker with RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims waiting already
+    # is answered at once, as if it had not asked to wait.
     waiter = request.META.get(WAITER_KEY)
-    if not isinstance(waiter, Waiter):
+    if not isinstance(waiter, Waiter) or not wait:
         waiter = None
-    if wait and waiter and waiter.quiet and waiter.park(wait, request.body):
-        return HttpResponse(status=204)
-    job = transitions.claim_next(worker, now=now)
+    limit = settings.RECALL_MAX_WAITING_CLAIMS_PER_WORKER
+    if waiter and waiter.quiet:
+        if waiter.park(wait, request.body, worker=worker.pk, limit=limit):
+            return HttpResponse(status=204)
+        waiter = None  # the wait is over, or the worker may not wait more
+    job = transitions.claim_next(worker, now=now, max_leases=cap)
     if job is None:
-        if wait and waiter:
-            waiter.park(wait, request.body)
+        if waiter:
+            waiter.park(wait, request.body, worker=worker.pk, limit=limit)
         return HttpResponse(status=204)
     return JsonResponse(claimed(job))
 
@@ -203,7 +231,9 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
     probe found work: for each request's ``Authorization`` header, in order,
     the JSON body of its 200, or None when the claim view itself must answer
     it (its worker is unknown, disabled or at its lease cap by now: a 401, 403
-    or 429). Stops at the first claim that finds nothing: the rest wait on.
+    or 429; the cap is the claim's own, so a worker with many waiting claims
+    gets no more than its cap from one wave). Stops at the first claim that
+    finds nothing: the rest wait on.
 
     Each claim is the view's (the worker's authentication, then
     ``claim_next``, its own transaction), on the caller's thread, without
@@ -211,7 +241,7 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
     workers are read in one statement: for a wave of hundreds of waiting
     workers that was most of the cost (BENCHMARKS.md, row 15).
     """
-    cap = settings.RECALL_MAX_LEASES_PER_WORKER
+    cap = max_leases()
     tokens = [bearer_token(authorization) for authorization in authorizations]
     for worker, now in transitions.authenticate_workers(tokens):
         started = time.perf_counter()
@@ -225,8 +255,14 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
             continue
         transitions.touch_worker(worker, now=now)
         # Each claim on its own statement's clock: the workers were read
-        # together, the claims come one after another.
-        job = transitions.claim_next(worker)
+        # together, the claims come one after another (and each counts the
+        # worker's leases again: an earlier claim of this wave may have been
+        # its own).
+        try:
+            job = transitions.claim_next(worker, max_leases=cap)
+        except TooManyLeases:
+            yield None
+            continue
         if job is None:
             return
         body = JsonResponse(claimed(job)).content

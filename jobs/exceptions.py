@@ -13,5 +13,18 @@ class LeaseLost(Exception):
     token, or a job leased to another worker). Nothing was changed."""
 
 
+class TooManyLeases(Exception):
+    """A claim by a worker that already holds its limit of live leases
+    (``RECALL_MAX_LEASES_PER_WORKER``), counted under the worker's claim lock
+    in the claim's own transaction. Nothing was changed."""
+
+    def __init__(self, worker_name: str, held: int, limit: int) -> None:
+        super().__init__(
+            f"Worker {worker_name!r} already holds {held} live leases (the limit "
+            f"is {limit}): finish, fail or release one before claiming more."
+        )
+        self.held, self.limit = held, limit
+
+
 class InvalidTransition(Exception):
     """The job is not in a state that allows the requested change."""

@@ -27,6 +27,7 @@ ERROR_CODES = [
     "lease_lost",
     "payload_too_large",
     "too_many_leases",
+    "rate_limited",
     "unavailable",
     "internal_error",
 ]
@@ -52,6 +53,23 @@ def _json(schema_ref: str, description: str = "OK") -> dict:
     }
 
 
+RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before trying again.",
+        "schema": {"type": "integer", "minimum": 1},
+    }
+}
+
+
+def _too_many(description: str) -> dict:
+    return {**_error(description), "headers": RETRY_AFTER}
+
+
+RATE_LIMITED = (
+    "rate_limited: the worker sent more than RECALL_WORKER_RATE_PER_SECOND "
+    "requests a second (in bursts of up to RECALL_WORKER_RATE_BURST), counted by "
+    "the whole server; retry after Retry-After seconds."
+)
 ERRORS = {
     "400": _error(
         f"Malformed JSON, not an object, a missing or ill-typed field, NUL bytes, "
@@ -60,6 +78,7 @@ ERRORS = {
     "401": _error("Missing or unknown worker token."),
     "403": _error("The worker is disabled."),
     "413": _error("The body is larger than the configured limit."),
+    "429": _too_many(RATE_LIMITED),
     "503": _error("The database is unavailable; retry with backoff."),
 }
 JOB_ERRORS = {
@@ -124,20 +143,10 @@ SPEC = {
                         )
                     },
                     **ERRORS,
-                    "429": {
-                        "description": "too_many_leases: the worker already holds RECALL_MAX_LEASES_PER_WORKER live leases; retry after Retry-After seconds.",
-                        "headers": {
-                            "Retry-After": {
-                                "description": "Seconds to wait.",
-                                "schema": {"type": "integer"},
-                            }
-                        },
-                        "content": {
-                            "application/json": {
-                                "schema": {"$ref": "#/components/schemas/Error"}
-                            }
-                        },
-                    },
+                    "429": _too_many(
+                        "too_many_leases: the worker already holds RECALL_MAX_LEASES_PER_WORKER live leases; or "
+                        + RATE_LIMITED
+                    ),
                 },
             }
         },
@@ -208,7 +217,10 @@ SPEC = {
                         "description": (
                             "When nothing is claimable, hold the request until "
                             "a job is or this many seconds have passed, then "
-                            "answer 200 or 204 (a long-poll). 0 answers at once."
+                            "answer 200 or 204 (a long-poll). 0 answers at once, "
+                            "and so does a claim of a worker that has "
+                            "RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims waiting "
+                            "already."
                         ),
                     }
                 },

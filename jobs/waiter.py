@@ -11,6 +11,13 @@ a job may be claimable, claims for it with ``jobs.api.claims_for_waiting``;
 or it answers the 204 it kept when the wait is over. A server without
 a waiter (``runserver``, the sync worker, the test client) answers at once, as
 before. No Django imports: gunicorn's master loads this with the worker class.
+
+A worker may have at most ``RECALL_MAX_WAITING_CLAIMS_PER_WORKER`` claims
+waiting on the whole server (``jobs/worker_limits.py``): ``park`` counts a
+claim against its worker when it first parks, and the server calls ``done``
+once it is answered or its client is gone, so each waiting claim counts once,
+from the moment it parks to its answer (a woken claim parked again, or run
+again through the view, is still the same claim).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+
+from . import worker_limits
 
 WAITER_KEY = "recall.waiter"
 MAX_WAIT_SECONDS = 60
@@ -50,16 +59,38 @@ class Waiter:
         # once it has sent the kept answer, so a claim that waited counts once,
         # with the status its client got (a woken claim's 200 counts itself).
         self.on_answer: Callable[[], None] | None = None
+        # The worker whose waiting claims this one counts against, while it does.
+        self.counted: int | None = None
 
-    def park(self, wait_seconds: float, body: bytes) -> bool:
+    def park(
+        self,
+        wait_seconds: float,
+        body: bytes,
+        *,
+        worker: int | None = None,
+        limit: int = 0,
+    ) -> bool:
         """Hold this request until a job may be claimable or ``wait_seconds``
         (counted from the request's arrival) have passed; False when the wait
-        is already over and the view should answer now."""
+        is already over, or ``worker`` has ``limit`` claims waiting already,
+        and the view should answer now. Counted against ``worker`` from here
+        until ``done``."""
         if wait_seconds <= 0:
             return False
         if self.deadline is None:
             self.deadline = self.started + wait_seconds
         if self.deadline - time.monotonic() < MIN_PARK_SECONDS:
             return False
+        if self.counted is None and worker is not None:
+            if not worker_limits.hold_waiting(worker, limit):
+                return False
+            self.counted = worker
         self.body, self.parked = body, True
         return True
+
+    def done(self) -> None:
+        """This claim waits no more (answered, or its client is gone): it no
+        longer counts against its worker. Safe to call more than once."""
+        counted, self.counted = self.counted, None
+        if counted is not None:
+            worker_limits.release_waiting(counted)

@@ -229,8 +229,10 @@ class ThreadWorker(StockThreadWorker):
                 self.log.debug("Closing connection.")
                 return False
         except OSError:
+            waiter.parked = False  # the connection is closed: it waits no more
             util.reraise(*sys.exc_info())
         except (Exception, SystemExit):
+            waiter.parked = False
             if resp and resp.headers_sent:
                 self.log.exception("Error handling request")
                 util.close_graceful(conn.sock)
@@ -238,6 +240,7 @@ class ThreadWorker(StockThreadWorker):
             raise
         finally:
             if not waiter.parked:
+                waiter.done()  # answered: no longer one of its worker's waiting
                 try:
                     self.cfg.post_request(self, req, environ, resp)
                 except Exception:
@@ -247,16 +250,22 @@ class ThreadWorker(StockThreadWorker):
     def _run_again(self, conn, waiter: Waiter):
         """A woken claim the view must answer itself (its worker was refused):
         run the request again."""
-        return self._guarded(
-            conn,
-            waiter.held.req,
-            lambda: self._keepalive_after(
-                conn, self._serve(waiter.held.req, conn, waiter)
-            ),
-        )
+        waiter.parked = False
+        try:
+            return self._guarded(
+                conn,
+                waiter.held.req,
+                lambda: self._keepalive_after(
+                    conn, self._serve(waiter.held.req, conn, waiter)
+                ),
+            )
+        finally:
+            if not waiter.parked:  # answered, or its connection failed first
+                waiter.done()
 
     def _answer_held(self, conn, waiter: Waiter):
         """A parked claim whose wait is over: send the 204 its view answered."""
+        waiter.done()
 
         def send():
             held = waiter.held
@@ -320,7 +329,7 @@ class ThreadWorker(StockThreadWorker):
         except (OSError, ValueError):
             gone = True
         if gone:
-            self._unpark(conn)
+            self._unpark(conn).done()
             self.nr_conns -= 1
             conn.close()
             return
@@ -478,6 +487,7 @@ class ThreadWorker(StockThreadWorker):
                 if body is None:
                     outcomes[conn] = None
                     continue
+                waiter.done()  # it has its job: answered, whatever the socket says
                 keepalive = self._guarded(
                     conn,
                     waiter.held.req,

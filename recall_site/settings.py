@@ -303,6 +303,23 @@ RECALL_RETRY_BACKOFF_MAX_SECONDS = env.int(
 # Live leases one worker (one token) may hold: a claim beyond it answers 429, so a
 # leaked token cannot drain the queue into leases that then expire.
 RECALL_MAX_LEASES_PER_WORKER = env.int("RECALL_MAX_LEASES_PER_WORKER", default=32)
+# Long-poll claims one worker may have waiting on the whole server (all its
+# gunicorn processes): one more answers at once, as with wait_seconds 0, so one
+# token cannot fill the server's connections with parked claims. 0: none waits.
+RECALL_MAX_WAITING_CLAIMS_PER_WORKER = env.int(
+    "RECALL_MAX_WAITING_CLAIMS_PER_WORKER", default=4
+)
+# Worker API requests one worker may make per second on the whole server (a
+# token bucket holding RECALL_WORKER_RATE_BURST); beyond, 429 rate_limited with
+# Retry-After. The default leaves room for a worker at its 32-lease cap that
+# heartbeats each lease every second and claims and completes as often. 0: off.
+try:
+    RECALL_WORKER_RATE_PER_SECOND = float(
+        env.str("RECALL_WORKER_RATE_PER_SECOND", default="100")
+    )
+except ValueError:
+    RECALL_WORKER_RATE_PER_SECOND = float("nan")  # refused below
+RECALL_WORKER_RATE_BURST = env.int("RECALL_WORKER_RATE_BURST", default=200)
 # Long-poll claims: how often the server (its processes share one answer) asks
 # the database whether a parked claim may find work, while any waits
 # (recall_site/gunicorn_worker.py).
@@ -425,6 +442,16 @@ for _name in (
         raise ImproperlyConfigured(f"{_name} must be at least 1.")
 if RECALL_RETRY_BACKOFF_SECONDS < 0:
     raise ImproperlyConfigured("RECALL_RETRY_BACKOFF_SECONDS must not be negative.")
+if RECALL_MAX_WAITING_CLAIMS_PER_WORKER < 0:
+    raise ImproperlyConfigured(
+        "RECALL_MAX_WAITING_CLAIMS_PER_WORKER must not be negative."
+    )
+if not (0 <= RECALL_WORKER_RATE_PER_SECOND < float("inf")):
+    raise ImproperlyConfigured(
+        "RECALL_WORKER_RATE_PER_SECOND must be a number of requests, 0 or more."
+    )
+if not 1 <= RECALL_WORKER_RATE_BURST <= 1_000_000:
+    raise ImproperlyConfigured("RECALL_WORKER_RATE_BURST must be 1 to 1,000,000.")
 if not 0 < RECALL_LONG_POLL_PROBE_SECONDS <= 10:
     raise ImproperlyConfigured(
         "RECALL_LONG_POLL_PROBE_SECONDS must be above 0 and at most 10."

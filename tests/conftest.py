@@ -15,6 +15,7 @@ from datetime import datetime
 import pytest
 
 from batches.models import Batch
+from jobs import worker_limits
 from jobs.models import Worker
 
 from .factories import (
@@ -43,6 +44,13 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs PostgreSQL (set DATABASE_URL=postgres://...)")
     for item in needs_pg:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_worker_limits():
+    """Each test starts with no request counted and no claim waiting for any
+    worker (ids repeat across tests: counts must not)."""
+    worker_limits.clear()
 
 
 @pytest.fixture(autouse=True)

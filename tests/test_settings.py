@@ -217,3 +217,35 @@ def test_a_bad_retention_is_refused_at_start_up(value):
     result = manage("check", env={**PRODUCTION, "RECALL_RETENTION_DAYS": value})
     assert result.returncode != 0
     assert "RECALL_RETENTION_DAYS must be a number of days" in result.stderr
+
+
+SHOW_WORKER_LIMITS = (
+    "from django.conf import settings; print(settings.RECALL_WORKER_RATE_PER_SECOND, "
+    "settings.RECALL_WORKER_RATE_BURST, "
+    "settings.RECALL_MAX_WAITING_CLAIMS_PER_WORKER)"
+)
+
+
+def test_one_worker_is_limited_by_default():
+    result = manage("shell", "-v", "0", "-c", SHOW_WORKER_LIMITS, env=PRODUCTION)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "100.0 200 4"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("RECALL_WORKER_RATE_PER_SECOND", "-1", "a number of requests, 0 or more"),
+        ("RECALL_WORKER_RATE_PER_SECOND", "nan", "a number of requests, 0 or more"),
+        ("RECALL_WORKER_RATE_PER_SECOND", "inf", "a number of requests, 0 or more"),
+        ("RECALL_WORKER_RATE_PER_SECOND", "fast", "a number of requests, 0 or more"),
+        ("RECALL_WORKER_RATE_BURST", "0", "1 to 1,000,000"),
+        ("RECALL_WORKER_RATE_BURST", "10000000", "1 to 1,000,000"),
+        ("RECALL_MAX_WAITING_CLAIMS_PER_WORKER", "-1", "must not be negative"),
+    ],
+)
+def test_bad_worker_limits_are_refused_at_start_up(name, value, message):
+    result = manage("check", env={**PRODUCTION, name: value})
+    assert result.returncode != 0
+    assert f"{name} must " in result.stderr
+    assert message in result.stderr

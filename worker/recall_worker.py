@@ -14,8 +14,10 @@ Guarantees it keeps, and why:
 * SIGTERM or SIGINT kills the engine and releases the lease through the API, so
   the job is queued again at once instead of waiting for the lease to expire;
   then the worker exits 0. A second signal exits at once.
-* Network errors, 5xx and 429 are retried with jittered exponential backoff;
-  a completion is retried until the server answers 200 or 409 (completing is
+* Network errors, 5xx and 429 are retried with jittered exponential backoff,
+  never sooner than the server's Retry-After asks (seconds or an HTTP date:
+  a 429 ``rate_limited`` or ``too_many_leases``, a 503), on every call; a
+  completion is retried until the server answers 200 or 409 (completing is
   idempotent for the same lease token, so a lost response costs nothing).
 * An idle worker long-polls: each claim asks the server to wait up to
   ``--wait-seconds`` for work, so a new batch is picked up within a second. A
@@ -30,6 +32,8 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import datetime
+import email.utils
 import functools
 import ipaddress
 import json
@@ -370,12 +374,24 @@ class Api:
                     raise GaveUp(str(error)) from None
 
 
-def _retry_after(value: str | None) -> float | None:
-    try:
-        seconds = float(value) if value else None
-    except ValueError:
+def _retry_after(value: str | None, now: float | None = None) -> float | None:
+    """The seconds a Retry-After header asks to wait: delay-seconds or an
+    HTTP date (RFC 9110; one in the past is no wait), up to
+    MAX_RETRY_AFTER_SECONDS; None if there is none or it makes no sense."""
+    if not value:
         return None
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:  # "-0000": UTC, says RFC 5322
+            when = when.replace(tzinfo=datetime.UTC)
+        at = time.time() if now is None else now
+        seconds = max(0.0, when.timestamp() - at)
+    if not math.isfinite(seconds) or seconds < 0:
         return None
     return min(seconds, MAX_RETRY_AFTER_SECONDS)
 

@@ -37,7 +37,7 @@ from django.db.models import QuerySet
 from batches.models import Batch
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
-from . import actions, repairs, retention, webhooks, workers
+from . import actions, repairs, retention, rules, webhooks, workers
 from .actions import Audit
 from .backends import backend
 from .orm import ItemRow
@@ -153,15 +153,26 @@ def set_worker_active(worker: Worker, active: bool) -> bool:
 # --- A worker's lease ------------------------------------------------------------
 
 
-def claim_next(worker: Worker, *, now: datetime | None = None) -> Job | None:
+def claim_next(
+    worker: Worker, *, now: datetime | None = None, max_leases: int | None = None
+) -> Job | None:
     """queued -> leased: the next claimable job for ``worker``, or None.
 
     Expired leases are reclaimed and an interrupted batch cancel is finished
     first, so no expired lease stands while new work is handed out. Then the
     oldest claimable job of the first open batch by priority is leased (SKIP
     LOCKED: concurrent claims never take the same job).
+
+    The worker's lease cap (``max_leases``, by default
+    ``RECALL_MAX_LEASES_PER_WORKER``) is enforced here, in the claim's own
+    transaction: the claims of one worker take turns on its row, and each
+    counts the worker's live leases after its turn came, so simultaneous
+    claims (plain or woken long-polls, on any number of processes) never
+    lease it more. TooManyLeases when it holds that many already and there
+    is a job it could take; nothing is written then.
     """
-    job = backend().claim_next(worker, now=now)
+    limit = rules.max_leases() if max_leases is None else max_leases
+    job = backend().claim_next(worker, now=now, max_leases=limit)
     if job is not None:
         log_lease("claimed", job, worker_id=worker.pk)
     return job

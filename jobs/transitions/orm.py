@@ -35,7 +35,7 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem, ItemStatus
-from jobs.exceptions import LeaseLost
+from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
@@ -142,14 +142,17 @@ class OrmBackend:
 
     # --- Claim ------------------------------------------------------------------
 
-    def claim_next(self, worker: Worker, *, now: datetime | None) -> Job | None:
+    def claim_next(
+        self, worker: Worker, *, now: datetime | None, max_leases: int
+    ) -> Job | None:
         """Lease the next claimable job to ``worker``, or return None.
 
         First reclaims expired leases and finishes an interrupted batch cancel,
         so an expired lease is never left standing while new work is handed
         out. Then takes the oldest claimable job of the first open batch in
         claim order (priority, then fair share: least virtual time), skipping
-        batches at their in-flight cap and rows other claims hold.
+        batches at their in-flight cap and rows other claims hold. TooManyLeases
+        when the worker already holds ``max_leases`` (``_claim_turn``).
         """
         now = self._resolve(now)
         expired, cancelling, candidates = self._claim_plan(now)
@@ -169,7 +172,9 @@ class OrmBackend:
                 other.priority == candidate.priority and other is not candidate
                 for other in candidates
             )
-            job = self._claim_in_batch(candidate, worker, now, charge=rivals)
+            job = self._claim_in_batch(
+                candidate, worker, now, charge=rivals, max_leases=max_leases
+            )
             if job is not None:
                 return job
         return None
@@ -205,12 +210,21 @@ class OrmBackend:
         )
 
     def _claim_in_batch(
-        self, candidate: Candidate, worker: Worker, now: datetime, *, charge: bool
+        self,
+        candidate: Candidate,
+        worker: Worker,
+        now: datetime,
+        *,
+        charge: bool,
+        max_leases: int,
     ) -> Job | None:
         for attempt in (1, 2):
             job = None
             try:
                 with transaction.atomic():
+                    held = self._claim_turn(worker)
+                    if held >= max_leases:
+                        raise TooManyLeases(worker.name, held, max_leases)
                     if candidate.capped and not self._room_under_cap(candidate):
                         return None
                     job = (
@@ -240,6 +254,17 @@ class OrmBackend:
                     raise
                 repairs.close_stray_leases(job.pk, now=now)
         return None
+
+    def _claim_turn(self, worker: Worker) -> int:
+        """Take the worker's turn to claim (a lock on its row, held until the
+        claim's transaction ends), then count its live leases in a statement
+        of their own, which sees every claim of the worker committed before
+        the turn came: the count the cap is checked against is never stale.
+        (On SQLite every transaction is BEGIN IMMEDIATE: already one at a
+        time.) The statement backend does the same inside its claim
+        statement, through ``recall_claim_turn()`` (migration 0011)."""
+        Worker.objects.select_for_update(no_key=True).filter(pk=worker.pk).exists()
+        return Job.objects.filter(leased_by=worker.pk).count()
 
     def _room_under_cap(self, candidate: Candidate) -> bool:
         """Lock the capped batch's row (claims of it take turns here), then

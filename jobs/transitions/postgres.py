@@ -37,7 +37,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model, QuerySet
 
 from batches.models import Batch, BatchItem, ItemStatus
-from jobs.exceptions import LeaseLost
+from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import Job, JobStatus, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
@@ -133,16 +133,24 @@ class PostgresBackend(OrmBackend):
 
     # --- Claim ------------------------------------------------------------------
 
-    def claim_next(self, worker: Worker, *, now: datetime | None) -> Job | None:
+    def claim_next(
+        self, worker: Worker, *, now: datetime | None, max_leases: int
+    ) -> Job | None:
         # Most claims: nothing to do first, and the first batch with work has a
-        # job free, or no batch has work. One statement (atomic by itself).
+        # job free, or no batch has work. One statement (atomic by itself),
+        # which takes the worker's turn and checks its cap too.
         token = new_lease_token()
         row = self._claim_row(
             statements.CLAIM_FIRST,
-            {**self._claim_params(worker, token, now), "cancel_grace": CANCEL_GRACE},
+            {
+                **self._claim_params(worker, token, now, max_leases),
+                "cancel_grace": CANCEL_GRACE,
+            },
         )
         if row is not RACED:
-            expired, cancelling, first_batch, at, *picked = row
+            expired, cancelling, first_batch, at, held, *picked = row
+            if held is not None and held >= max_leases:
+                raise TooManyLeases(worker.name, held, max_leases)
             if picked[0] is not None:  # a job row joined
                 job, written = self._leased(picked, worker, token)
                 if written:
@@ -151,7 +159,7 @@ class PostgresBackend(OrmBackend):
                 return None  # an idle claim: one statement too
             now = at  # the long way uses the statement's instant
         # The long way: the ORM backend's, through the hooks below.
-        return super().claim_next(worker, now=now)
+        return super().claim_next(worker, now=now, max_leases=max_leases)
 
     def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[Candidate]]:
         """The chores and the candidates in one probe (``CLAIM_PLAN``)."""
@@ -168,37 +176,51 @@ class PostgresBackend(OrmBackend):
         return expired, cancelling, candidates
 
     def _claim_in_batch(
-        self, candidate: Candidate, worker: Worker, now: datetime, *, charge: bool
+        self,
+        candidate: Candidate,
+        worker: Worker,
+        now: datetime,
+        *,
+        charge: bool,
+        max_leases: int,
     ) -> Job | None:
         if candidate.capped:  # claims of it take turns on its row: the ORM code
-            return super()._claim_in_batch(candidate, worker, now, charge=charge)
+            return super()._claim_in_batch(
+                candidate, worker, now, charge=charge, max_leases=max_leases
+            )
         # One statement, so atomic by itself. If the rows it found disagree it
         # wrote nothing, and the ORM code (which heals them) runs instead.
         token = new_lease_token()
         row = self._claim_row(
             statements.CLAIM,
             {
-                **self._claim_params(worker, token, now),
+                **self._claim_params(worker, token, now, max_leases),
                 "batch": candidate.batch_id,
                 "charge": charge,
             },
         )
-        if row is None:
-            return None
         if row is not RACED:
-            job, written = self._leased(row, worker, token)
+            held, *picked = row
+            if held >= max_leases:
+                raise TooManyLeases(worker.name, held, max_leases)
+            if picked[0] is None:
+                return None
+            job, written = self._leased(picked, worker, token)
             if written:
                 return job
-        return super()._claim_in_batch(candidate, worker, now, charge=charge)
+        return super()._claim_in_batch(
+            candidate, worker, now, charge=charge, max_leases=max_leases
+        )
 
     def _claim_params(
-        self, worker: Worker, token: str, now: datetime | None
+        self, worker: Worker, token: str, now: datetime | None, max_leases: int
     ) -> dict[str, Any]:
         return {
             "worker": worker.pk,
             "token": token,
             "now": now,
             "lease_seconds": lease_duration().total_seconds(),
+            "cap": max_leases,
         }
 
     def _claim_row(self, sql: str, params: dict[str, Any]) -> Any:

@@ -54,6 +54,11 @@ def retry_delay(attempts: int) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def max_leases() -> int:
+    """Live leases one worker may hold: a claim beyond it is refused."""
+    return settings.RECALL_MAX_LEASES_PER_WORKER
+
+
 def lease_duration() -> timedelta:
     return timedelta(seconds=settings.RECALL_LEASE_SECONDS)
 

@@ -330,9 +330,13 @@ CHARGE = sql(
 def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
     """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
     LOCKED), if its item agrees and no ledger row of an earlier lease was left
-    open; the claim is charged to the batch's share if ``charge``. Returns the
-    job's and item's columns as they were, the batch's name, whether such a
-    stray ledger row exists, and the lease's times."""
+    open, and the worker holds fewer than ``%(cap)s`` live leases; the claim is
+    charged to the batch's share if ``charge``. The prelude defines ``turn``:
+    the worker's live leases, counted after its turn to claim came
+    (``recall_claim_turn``, migration 0011: a count read in this statement's
+    own snapshot would be stale by the time the turn came). Returns the job's
+    and item's columns as they were, the batch's name, whether such a stray
+    ledger row exists, and the lease's times."""
     return sql(
         """WITH {prelude} pick AS (
         SELECT {job_columns}, {item_columns}, b.{batch.name} AS batch_name,
@@ -345,6 +349,7 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         JOIN {batch} b ON b.{batch.id} = j.{job.batch}
         WHERE j.{job.batch} = {batch_id} AND {claimable}
           AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+          AND (SELECT held FROM turn) < %(cap)s::bigint
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
     ), clean AS (
@@ -390,8 +395,17 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
     )
 
 
+# The worker's turn to claim: its live leases, counted once its row is locked.
+TURN = "recall_claim_turn(%(worker)s::bigint)"
+
+# Returns the worker's live leases (as its turn counted them), then the job as
+# the pick found it (NULLs if none: none was claimable, or the worker is at its
+# cap).
 CLAIM = _claim(
-    prelude="", batch_id="%(batch)s", charge="%(charge)s", result="SELECT * FROM pick"
+    prelude=f"turn AS (SELECT {TURN} AS held),",
+    batch_id="%(batch)s",
+    charge="%(charge)s",
+    result="SELECT turn.held, pick.* FROM turn LEFT JOIN pick ON true",
 )
 
 # The common case in one statement: nothing to do first, and the first open
@@ -400,7 +414,9 @@ CLAIM = _claim(
 # CLAIM does if there was one (else NULLs): when there is none the caller takes
 # the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also covers
 # chores, capped batches, and taken or drifted rows. The claim is charged to
-# the batch's share when a second open batch of its priority has work too.
+# the batch's share when a second open batch of its priority has work too. The
+# worker's turn is taken only when there is such a batch (an idle claim takes
+# no lock); its count is returned after the first batch (NULL when not taken).
 CLAIM_FIRST = _claim(
     prelude=f"""chores AS (
         SELECT {CHORES}
@@ -414,12 +430,14 @@ CLAIM_FIRST = _claim(
             SELECT 1 FROM top, first
             WHERE top.id <> first.id AND top.priority = first.priority
         ) AS found
+    ), turn AS (
+        SELECT {TURN} AS held FROM first WHERE NOT capped
     ),""",
     batch_id="(SELECT id FROM first WHERE NOT capped)",
     charge="(SELECT found FROM rival)",
     result=sql(
-        "SELECT chores.*, (SELECT id FROM first), {now} AS at, pick.* "
-        "FROM chores LEFT JOIN pick ON true"
+        "SELECT chores.*, (SELECT id FROM first), {now} AS at, "
+        "(SELECT held FROM turn), pick.* FROM chores LEFT JOIN pick ON true"
     ),
 )
 

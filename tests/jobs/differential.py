@@ -22,7 +22,7 @@ from django.test.utils import override_settings
 
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from jobs import transitions
-from jobs.exceptions import LeaseLost
+from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import (
     Event,
     Job,
@@ -75,6 +75,7 @@ class World:
     # Every lease handed out, in order: (job id, worker index, token).
     leases: list[tuple[int, int, str]] = field(default_factory=list)
     strays: int = 0  # stray ledger rows written behind Recall's back
+    max_leases: int | None = None  # the lease cap claims are given (None: setting)
 
     def job_ids(self) -> list[int]:
         return list(Job.objects.order_by("pk").values_list("pk", flat=True))
@@ -124,6 +125,8 @@ def apply(world: World, op: Op) -> Any:
         return "lease_lost"
     except NoLease:
         return "no lease handed out yet"
+    except TooManyLeases as refused:
+        return ("too_many_leases", refused.held, refused.limit)
 
 
 class NoLease(Exception):
@@ -133,7 +136,9 @@ class NoLease(Exception):
 def _claim(world: World, w: int) -> Any:
     if not world.workers[w].is_active:
         return "forbidden"  # the API's 403: a disabled worker never claims
-    job = transitions.claim_next(world.workers[w], now=world.now)
+    job = transitions.claim_next(
+        world.workers[w], now=world.now, max_leases=world.max_leases
+    )
     if job is None:
         return None
     world.leases.append((job.pk, w, job.lease_token))
@@ -220,6 +225,11 @@ def _disable(world: World, w: int) -> Any:
 
 def _enable(world: World, w: int) -> Any:
     return transitions.set_worker_active(world.workers[w], True)
+
+
+def _cap(world: World, max_leases: int) -> None:
+    """Claims from now on are given this lease cap."""
+    world.max_leases = max_leases
 
 
 def _tick(world: World, seconds: int) -> None:
@@ -333,6 +343,7 @@ _APPLY = {
     "fail": _fail,
     "release": _release,
     "tick": _tick,
+    "cap": _cap,
     "reclaim": _reclaim,
     "sweep": _sweep,
     "reconcile": _reconcile,

@@ -4,10 +4,19 @@ import pytest
 
 from batches.models import Batch, BatchItem, ItemStatus
 from jobs import transitions
+from jobs.exceptions import TooManyLeases
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
 
-from ..factories import T0, assert_consistent, claim, jobs_of, later, make_batch
+from ..factories import (
+    T0,
+    assert_consistent,
+    claim,
+    jobs_of,
+    later,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -197,3 +206,43 @@ def test_a_claim_on_a_connection_the_database_dropped_reconnects(worker, batch):
     assert job.pk == jobs_of(batch)[0].pk
     assert connection.connection.info.backend_pid != dropped
     assert_consistent()
+
+
+# --- The worker's lease cap, enforced by the claim itself ---------------------------
+
+
+def test_a_claim_at_the_workers_lease_cap_is_refused_and_writes_nothing(
+    worker, batch, settings
+):
+    settings.RECALL_MAX_LEASES_PER_WORKER = 2
+    held = [claim(worker), claim(worker)]
+    before = snapshot(*jobs_of(batch))
+
+    with pytest.raises(
+        TooManyLeases,
+        match=r"^Worker 'gpu-1' already holds 2 live leases \(the limit is 2\): "
+        r"finish, fail or release one before claiming more\.$",
+    ) as refused:
+        transitions.claim_next(worker, now=later(1))
+
+    assert (refused.value.held, refused.value.limit) == (2, 2)
+    assert snapshot(*jobs_of(batch)) == before
+    # Ending a lease makes room; a lower cap given to the claim refuses again.
+    transitions.complete(
+        held[0], held[0].lease_token, worker=worker, result={"text": "t"}, now=T0
+    )
+    assert transitions.claim_next(worker, now=later(2)).pk == jobs_of(batch)[2].pk
+    make_batch(1, name="more")
+    with pytest.raises(TooManyLeases):
+        transitions.claim_next(worker, now=later(3), max_leases=1)
+    assert_consistent(later(3))
+
+
+def test_a_worker_at_its_cap_with_nothing_claimable_gets_nothing(worker, settings):
+    """Nothing to lease is nothing to refuse: the same answer as for any
+    claim that finds no work."""
+    settings.RECALL_MAX_LEASES_PER_WORKER = 1
+    make_batch(1)
+    claim(worker)
+
+    assert transitions.claim_next(worker, now=later(1)) is None

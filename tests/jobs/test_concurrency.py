@@ -13,12 +13,18 @@ import pytest
 from django.db import connections
 
 from jobs import transitions
-from jobs.exceptions import LeaseLost
+from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
 from jobs.transitions.statements import RECLAIM_GATE_KEY
 
-from ..factories import assert_consistent, later, make_batch, make_worker
+from ..factories import (
+    WorkerClient,
+    assert_consistent,
+    later,
+    make_batch,
+    make_worker,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -49,7 +55,8 @@ def run_threads(target, n: int = THREADS) -> list:
     return results
 
 
-def test_concurrent_claims_never_hand_out_the_same_job():
+def test_concurrent_claims_never_hand_out_the_same_job(settings):
+    settings.RECALL_MAX_LEASES_PER_WORKER = 120  # a thread may win most of them
     make_batch(120)
     workers = [make_worker(f"w{i}") for i in range(THREADS)]
 
@@ -101,6 +108,7 @@ def test_concurrent_workers_drain_a_batch_exactly_once():
 
 def test_two_sweeps_at_once_reclaim_each_lease_exactly_once(settings):
     settings.RECALL_CHUNK_SIZE = 10  # many small transactions to interleave
+    settings.RECALL_MAX_LEASES_PER_WORKER = 150  # one worker holds them all
     make_batch(150)
     worker = make_worker("dead")
     while transitions.claim_next(worker, now=later(0)):
@@ -120,7 +128,8 @@ def test_two_sweeps_at_once_reclaim_each_lease_exactly_once(settings):
     assert_consistent(later(61))
 
 
-def test_completion_racing_reclaim_has_exactly_one_winner_per_job():
+def test_completion_racing_reclaim_has_exactly_one_winner_per_job(settings):
+    settings.RECALL_MAX_LEASES_PER_WORKER = 60  # one worker holds them all
     batch = make_batch(60)
     worker = make_worker("slow")
     leased = []
@@ -207,3 +216,66 @@ def test_a_claim_does_not_queue_behind_another_reclaimer_but_a_sweep_does():
     assert swept == [{"requeued": 1, "failed": 0}]
     assert Job.objects.get(pk=stale.pk).status == JobStatus.QUEUED
     assert_consistent(later(62))
+
+
+# --- The lease cap under simultaneous claims ----------------------------------------
+
+CAP_CLAIMS = 16
+
+
+@pytest.mark.parametrize("backend", ["auto", "orm"])
+def test_simultaneous_claims_of_one_worker_never_exceed_its_lease_cap(
+    settings, backend
+):
+    """16 claims of one worker at once, with a cap of 2 and 40 jobs free: the
+    claim counts the worker's leases after its turn came, so exactly 2 are
+    leased and the other 14 are refused; no count read before the turn
+    (the view's, or one statement's snapshot) lets more through."""
+    settings.RECALL_MAX_LEASES_PER_WORKER = 2
+    settings.RECALL_TRANSITIONS_BACKEND = backend
+    make_batch(40)
+    worker = make_worker()
+
+    def claim_once(i, barrier):
+        barrier.wait()
+        try:
+            job = transitions.claim_next(worker, now=later(1))
+        except TooManyLeases as refused:
+            return ("refused", refused.held, refused.limit)
+        return None if job is None else ("leased", job.pk)
+
+    outcomes = run_threads(claim_once, CAP_CLAIMS)
+
+    leased = [o for o in outcomes if o[0] == "leased"]
+    assert len(leased) == 2
+    assert sorted(o for o in outcomes if o[0] == "refused") == [("refused", 2, 2)] * (
+        CAP_CLAIMS - 2
+    )
+    assert Job.objects.filter(leased_by=worker, status=JobStatus.LEASED).count() == 2
+    assert Lease.objects.count() == 2
+    assert_consistent(later(1))
+
+
+def test_simultaneous_claims_through_the_api_answer_429_beyond_the_cap(settings):
+    """The same through the worker API (authentication, the view's early
+    refusal, the claim): two 200s, fourteen 429 ``too_many_leases``."""
+    settings.RECALL_MAX_LEASES_PER_WORKER = 2
+    make_batch(40)
+    worker = make_worker()
+
+    def claim_once(i, barrier):
+        client = WorkerClient(worker)
+        barrier.wait()
+        response = client.claim()
+        return (
+            response.status_code,
+            response.json()["error"] if (response.status_code == 429) else None,
+            response.get("Retry-After"),
+        )
+
+    outcomes = sorted(run_threads(claim_once, CAP_CLAIMS), key=str)
+
+    assert outcomes == sorted(
+        [(200, None, None)] * 2 + [(429, "too_many_leases", "20")] * 14, key=str
+    )
+    assert Job.objects.filter(leased_by=worker, status=JobStatus.LEASED).count() == 2

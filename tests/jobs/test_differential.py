@@ -213,6 +213,37 @@ CASES = {
         ("complete", 3),
         ("authenticate",),
     ],
+    "the lease cap: refused at it, room again after a completion or a reclaim": [
+        ("cap", 2),
+        ("claim", 0),
+        ("claim", 0),
+        ("claim", 0),  # refused by the one-statement claim
+        ("authenticate",),
+        ("claim", 1),
+        ("complete", 0),
+        ("claim", 0),  # room again
+        ("claim", 0),
+        ("share", 0, 0, 1, 3),  # batches with caps of their own: the ORM code
+        ("share", 2, 0, 1, 3),
+        ("claim", 2),
+        ("claim", 2),
+        ("claim", 2),  # refused on a capped batch's path
+        ("cap", 0),
+        ("claim", 1),  # refused with no lease held
+        ("cap", 3),
+        ("claim", 2),
+        ("tick", 61),
+        ("claim", 0),  # expired leases reclaimed first, then room
+        ("claim", 0),
+        ("claim", 0),
+        ("claim", 0),
+        ("release", 8),
+        ("claim", 0),
+        ("cancel_queued", 0),
+        ("cancel_queued", 1),
+        ("cancel_queued", 2),
+        ("claim", 0),  # at the cap with nothing claimable: nothing, not refused
+    ],
 }
 
 
@@ -268,6 +299,10 @@ class BackendsAgree(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([1, 29, 30, 59, 61, 120]))
     def tick(self, seconds):
         self._do("tick", seconds)
+
+    @rule(max_leases=st.sampled_from([0, 1, 2, 3, 32]))
+    def cap(self, max_leases):
+        self._do("cap", max_leases)
 
     @rule(limit=st.none() | st.integers(1, 3))
     def reclaim(self, limit):

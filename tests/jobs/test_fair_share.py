@@ -15,6 +15,13 @@ from ..factories import T0, assert_consistent, later, make_batch, make_worker
 pytestmark = pytest.mark.django_db
 
 
+@pytest.fixture(autouse=True)
+def _one_worker_stands_for_a_fleet(settings):
+    """These tests claim many jobs with one worker, without completing them:
+    no lease cap (it is tested in test_claim.py and test_concurrency.py)."""
+    settings.RECALL_MAX_LEASES_PER_WORKER = 10_000
+
+
 def _claim_batches(worker, n: int, now=T0) -> list[int]:
     """Claim ``n`` times (without completing); the batch of each claim."""
     batches = []

@@ -232,6 +232,24 @@ def test_a_woken_claim_of_a_refused_worker_goes_back_to_the_view(settings):
     assert Job.objects.filter(batch=batch, status=JobStatus.LEASED).count() == 2
 
 
+@pytest.mark.parametrize("backend", ["auto", "orm"])
+def test_one_wave_of_woken_claims_never_leases_a_worker_past_its_cap(settings, backend):
+    """The wave reads its workers (and their leases) once; the claims count
+    again, each its own: ten waiting claims of one worker with a cap of 2 and
+    ten jobs free get two jobs, and the other eight go back to the view (its
+    429), while another worker's claim behind them goes on."""
+    settings.RECALL_MAX_LEASES_PER_WORKER = 2
+    settings.RECALL_TRANSITIONS_BACKEND = backend
+    make_batch(10)
+    greedy, other = make_worker("greedy"), make_worker("other")
+
+    answers = list(claims_for_waiting([_bearer(greedy)] * 10 + [_bearer(other)]))
+
+    assert [answer is None for answer in answers] == [False] * 2 + [True] * 8 + [False]
+    assert Job.objects.filter(leased_by=greedy).count() == 2
+    assert Job.objects.filter(leased_by=other).count() == 1
+
+
 # --- The probe -----------------------------------------------------------------------
 
 

@@ -272,8 +272,9 @@ def test_workers_page_counts_and_flags_flaky_workers(viewer_client, db):
 
 
 def test_pages_take_a_fixed_number_of_queries(
-    viewer_client, worker, django_assert_max_num_queries
+    viewer_client, worker, django_assert_max_num_queries, settings
 ):
+    settings.RECALL_MAX_LEASES_PER_WORKER = 1_000  # one worker stands for a fleet
     small = make_batch(5, name="small")
     big = make_batch(600, name="big")
     for _ in range(40):

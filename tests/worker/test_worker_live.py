@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 from datetime import timedelta
@@ -501,3 +502,34 @@ def test_values_an_engine_would_take_for_options_fail_for_good_unstarted(
     # The engine ran for the plain item only.
     ran = sorted(p.name for p in start_worker.engine_dir.glob("*.ran"))
     assert ran == [f"{plain.pk}.ran"]
+
+
+def test_a_rate_limited_worker_waits_as_told_and_finishes_its_work(
+    start_worker, settings
+):
+    """The server holds the worker to one request a second (bursts of two):
+    its calls get 429 rate_limited with a Retry-After, it waits at least
+    that long before each retry, and every job still completes, once."""
+    settings.RECALL_WORKER_RATE_PER_SECOND = 1
+    settings.RECALL_WORKER_RATE_BURST = 2
+    batch = make_batch(durations=[2, 2, 2, 2], now=timezone.now())
+    proc = start_worker(make_worker("gpu-1"), "--simulate", "--simulate-factor=0.5")
+
+    wait_for(
+        lambda: (
+            not Job.objects.filter(batch=batch)
+            .exclude(status=JobStatus.COMPLETED)
+            .exists()
+        ),
+        timeout=60,
+        what="every job completed",
+        workers=(proc,),
+    )
+
+    waits = re.findall(
+        r"failed \(HTTP 429 rate_limited: .*?\); retry \d+ in ([\d.]+)s", proc.log()
+    )
+    assert waits, proc.log()
+    assert min(float(wait) for wait in waits) >= 1.0
+    for job in jobs_of(batch):
+        assert ledger(job) == [(LeaseEnd.COMPLETED, "gpu-1")]

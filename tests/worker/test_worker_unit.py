@@ -382,6 +382,31 @@ def test_backoff_is_jittered_exponential_and_capped():
     assert 15 <= rw.backoff_delay(100_000, base=1, cap=30) <= 30
 
 
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [
+        ("2", 2.0),
+        ("0", 0.0),
+        ("1.5", 1.5),
+        ("86400", rw.MAX_RETRY_AFTER_SECONDS),
+        # An HTTP date (RFC 9110), 30 s after "now" below; one passed is no wait.
+        ("Wed, 21 Oct 2026 07:28:30 GMT", 30.0),
+        ("Wed, 21 Oct 2026 07:27:00 GMT", 0.0),
+        ("Wed, 21 Oct 2026 07:28:30 -0000", 30.0),
+        (None, None),
+        ("", None),
+        ("-1", None),
+        ("nan", None),
+        ("soon", None),
+        ("Wed, 99 Oct 2026 07:28:30 GMT", None),
+    ],
+)
+def test_retry_after_is_read_as_seconds_or_an_http_date(header, seconds):
+    now = 1792567680.0  # Wed, 21 Oct 2026 07:28:00 GMT
+
+    assert rw._retry_after(header, now=now) == seconds
+
+
 def test_simulated_transcripts_cover_the_audio_and_repeat_per_item():
     transcript = rw.simulated_transcript(7, 95.0)
 
