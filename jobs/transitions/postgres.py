@@ -59,11 +59,16 @@ RACED = object()
 
 
 @functools.cache
-def native(sql: str) -> tuple[str, tuple[str, ...]]:
+def native(sql: str) -> tuple[bytes, tuple[str, ...]]:
     """``sql`` with PostgreSQL's placeholders (``$1``...) for its ``%(name)s``
     ones, and the names in their order: converted once per process. psycopg
     would convert on every execution, and it caches its conversion only for
-    texts under 4 KB, which the claim is not."""
+    texts under 4 KB, which the claim is not.
+
+    The text comes encoded, once: given a ``str``, psycopg would encode it on
+    every execution, and hash the new bytes again to find its prepared
+    statement (about 3% of a claim and a completion's instructions); the
+    same bytes object keeps its hash."""
     names: list[str] = []
 
     def number(match: re.Match[str]) -> str:
@@ -74,7 +79,7 @@ def native(sql: str) -> tuple[str, tuple[str, ...]]:
     text = re.sub(r"%\((\w+)\)s", number, sql)
     if "%" in text:
         raise ValueError(f"a placeholder other than %(name)s in: {sql[:80]}")
-    return text, tuple(names)
+    return text.encode(), tuple(names)
 
 
 class PostgresBackend(OrmBackend):
