@@ -121,7 +121,7 @@ class PostgresBackend(OrmBackend):
         leases, and the statement's time."""
         workers = []
         for *columns, live_leases, now in rows:
-            worker = self._from_db(Worker, Worker._meta.concrete_fields, columns)
+            worker = self._from_db(Worker, columns)
             worker.live_leases = live_leases
             workers.append((worker, now))
         return workers
@@ -219,10 +219,10 @@ class PostgresBackend(OrmBackend):
     def _leased(self, row: Any, worker: Worker, token: str) -> tuple[Job, bool]:
         """The job a claim statement picked, as the claim left it (if True)."""
         n, m = len(JOB_FIELDS), len(ITEM_FIELDS)
-        job = self._from_db(Job, JOB_FIELDS, row[:n])
-        job.item = item = self._from_db(BatchItem, ITEM_FIELDS, row[n : n + m])
+        job = self._from_db(Job, row[:n])
+        job.item = item = self._from_db(BatchItem, row[n : n + m])
         batch_name, stray_lease, at, expires = row[n + m :]
-        job.batch = Batch(pk=job.batch_id, name=batch_name)
+        job.batch = self._partial(Batch, id=job.batch_id, name=batch_name)
         if item.status != ItemStatus.QUEUED or stray_lease:
             return job, False
         job.status = JobStatus.LEASED
@@ -278,8 +278,9 @@ class PostgresBackend(OrmBackend):
             item_status, lease_id, batch_id, attempts, at, tail = row
             clean = item_status == ItemStatus.TRANSCRIBING and lease_id is not None
             if clean and not tail:
-                job = Job(
-                    pk=job_id,
+                return self._partial(
+                    Job,
+                    id=job_id,
                     batch_id=batch_id,
                     attempts=attempts,
                     status=JobStatus.COMPLETED,
@@ -287,7 +288,6 @@ class PostgresBackend(OrmBackend):
                     finished_at=at,
                     updated_at=at,
                 )
-                return job
             now = at
         # Not live (a replay, a stale token), rows that disagree, or the batch's
         # tail (this completion may finish it): the ORM code decides, heals,
@@ -396,15 +396,33 @@ class PostgresBackend(OrmBackend):
         with savepoint, self.connection.wrap_database_errors:
             cursor.execute(text, [params[n] for n in names], prepare=self.prepare)
 
-    def _from_db(self, model: type[Model], fields: Any, values: Any) -> Any:
+    def _from_db(self, model: type[Model], values: Sequence[Any]) -> Any:
         """A model instance from a row of its concrete columns, as the ORM builds
         it (``from_db`` plus the fields' converters: JSON arrives as text)."""
-        converted = [
-            f.from_db_value(v, None, self.connection)
-            if hasattr(f, "from_db_value")
-            else v
-            for f, v in zip(fields, values, strict=True)
-        ]
-        return model.from_db(
-            self.connection.alias, [f.attname for f in fields], converted
-        )
+        attnames, converters = _columns(model)
+        if len(values) != len(attnames):
+            raise ValueError(f"{len(values)} values for {len(attnames)} columns")
+        row = list(values)
+        for i, convert in converters:
+            row[i] = convert(row[i], None, self.connection)
+        return model.from_db(self.connection.alias, attnames, row)
+
+    def _partial(self, model: type[Model], **values: Any) -> Any:
+        """An instance of ``model`` with just these fields (attnames), as a query
+        that selected only them gives it: the others are deferred, read from the
+        database if ever asked for. ``model(**values)`` would compute every other
+        field's default on each call instead, several times the cost."""
+        return model.from_db(self.connection.alias, list(values), list(values.values()))
+
+
+@functools.cache
+def _columns(model: type[Model]) -> tuple[list[str], list[tuple[int, Any]]]:
+    """A model's concrete columns in order (attnames), and the converter of each
+    column that has one (its index and ``from_db_value``), found once."""
+    fields = model._meta.concrete_fields
+    converters = [
+        (i, f.from_db_value)
+        for i, f in enumerate(fields)
+        if hasattr(f, "from_db_value")
+    ]
+    return [f.attname for f in fields], converters
