@@ -27,7 +27,7 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -35,6 +35,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model, QuerySet
+from psycopg.types.datetime import TimestamptzLoader
 
 from batches.models import Batch, BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost
@@ -390,6 +391,13 @@ class PostgresBackend(OrmBackend):
             # for the cursors made here.
             raw.prepare_threshold = PREPARE_THRESHOLD
         self._raw_cursor = cursor = psycopg.RawCursor(raw)
+        if self.connection.timezone is UTC and raw.info.timezone is UTC:
+            # Django reads timestamps with a loader of its own, in Python, that
+            # sets the zone Django expects on psycopg's result: when both are
+            # UTC, psycopg's own loader (in C) gives the same datetimes. Each
+            # value cost about 40,000 instructions in Python, and a claim and
+            # its completion read nine: a third of the model layer's work.
+            cursor.adapters.register_loader("timestamptz", TimestamptzLoader)
         return cursor
 
     def _execute(
