@@ -84,7 +84,9 @@ def bearer_token(authorization: str) -> str:
 
 def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
     """The worker making the request, and the request's time (the database's)."""
-    token = bearer_token(request.headers.get("Authorization", ""))
+    # From the WSGI environ, as ``request.headers`` reads it: building that
+    # mapping of every header cost about 100,000 instructions a request (7%).
+    token = bearer_token(request.META.get("HTTP_AUTHORIZATION", ""))
     if not token:
         raise ApiError(
             401,
