@@ -57,6 +57,8 @@ if os.environ.get("RECALL_CONTROL_SOCKET"):
 else:
     control_socket_disable = True
 accesslog = os.environ.get("RECALL_ACCESS_LOG", "-")
+# gunicorn's logger, whose access lines cost less to gather (the same lines).
+logger_class = "recall_site.gunicorn_worker.AccessLogger"
 errorlog = "-"
 if os.environ.get("LOG_FORMAT", "text") == "json":
     # One JSON object per line on stdout, error and access log alike.

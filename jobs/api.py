@@ -9,6 +9,7 @@ A request's time is the database's, read with the worker's token.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -18,6 +19,7 @@ from functools import wraps
 from typing import Any
 
 from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -94,7 +96,9 @@ def bearer_token(authorization: str) -> str:
 
 def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
     """The worker making the request, and the request's time (the database's)."""
-    token = bearer_token(request.headers.get("Authorization", ""))
+    # From the WSGI environ, as ``request.headers`` reads it: building that
+    # mapping of every header cost about 100,000 instructions a request (7%).
+    token = bearer_token(request.META.get("HTTP_AUTHORIZATION", ""))
     if not token:
         raise ApiError(
             401,
@@ -265,7 +269,9 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
             continue
         if job is None:
             return
-        body = JsonResponse(claimed(job)).content
+        # The bytes JsonResponse(...).content holds, without building the
+        # response around them (a third less work for the body).
+        body = json.dumps(claimed(job), cls=DjangoJSONEncoder).encode()
         count_request("claim", 200, time.perf_counter() - started)
         yield body
 

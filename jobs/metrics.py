@@ -18,6 +18,7 @@ Off (404) unless ``RECALL_METRICS_TOKEN`` is set; then the scraper must send
 
 from __future__ import annotations
 
+import functools
 import hmac
 import threading
 import time
@@ -289,9 +290,17 @@ def observed(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
 def count_request(endpoint: str, status: int, seconds: float) -> None:
     """Count one answered worker API request (and time it, if a claim)."""
     metrics = request_metrics()
-    metrics.requests.labels(endpoint, str(status)).inc()
+    _requests_counter(metrics, endpoint, status).inc()
     if endpoint == "claim":
         metrics.claim_seconds.observe(seconds)
+
+
+@functools.cache
+def _requests_counter(metrics: RequestMetrics, endpoint: str, status: int) -> Counter:
+    """``recall_api_requests`` of one endpoint and status, looked up once:
+    ``labels()`` checks and joins the labels and takes a lock on every call.
+    A handful of endpoints and statuses: the cache stays small."""
+    return metrics.requests.labels(endpoint, str(status))
 
 
 # --- Exposition -------------------------------------------------------------------

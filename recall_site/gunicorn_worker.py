@@ -52,7 +52,7 @@ from concurrent.futures import Future
 from datetime import datetime
 from functools import partial
 
-from gunicorn import util
+from gunicorn import glogging, util
 from gunicorn.http import wsgi
 from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
 
@@ -614,3 +614,40 @@ class ThreadWorker(StockThreadWorker):
         from django.conf import settings
 
         return settings.RECALL_LONG_POLL_PROBE_SECONDS
+
+
+# --- The access log -------------------------------------------------------------
+
+# What gunicorn's own atoms read from the environ (glogging.Logger.atoms).
+ATOM_ENVIRON = (
+    "REMOTE_ADDR", "REQUEST_METHOD", "RAW_URI", "SERVER_PROTOCOL", "PATH_INFO",
+    "QUERY_STRING", "HTTP_REFERER", "HTTP_USER_AGENT", "HTTP_AUTHORIZATION",
+)  # fmt: skip
+
+
+class _Unheaded:
+    """A response as the access log's atoms see it, without its headers."""
+
+    headers = ()
+
+    def __init__(self, resp) -> None:
+        self.status, self.sent = resp.status, getattr(resp, "sent", None)
+
+
+class AccessLogger(glogging.Logger):
+    """gunicorn's logger, the same lines, for less work per request.
+
+    For each access line gunicorn gathers every atom a format could name, one
+    per request header (``{name}i``), response header (``{name}o``) and environ
+    variable (``{name}e``) among them, some 70, and copies them all once more,
+    escaping quotes: about 110,000 instructions a request, 4.5% of a worker
+    API request's in a web worker. A format that names none of those
+    (gunicorn's default, Recall's) is given the fixed atoms alone; any other
+    gets them all.
+    """
+
+    def atoms(self, resp, req, environ, request_time):
+        if "{" in self.cfg.access_log_format:
+            return super().atoms(resp, req, environ, request_time)
+        fixed = {key: environ[key] for key in ATOM_ENVIRON if key in environ}
+        return super().atoms(_Unheaded(resp), (), fixed, request_time)

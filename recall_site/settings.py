@@ -90,12 +90,14 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "recall_site.middleware.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    # Sessions, the logged-in user and flash messages: Django's middlewares,
+    # which the worker API's requests pass by (recall_site/middleware.py).
+    "recall_site.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "recall_site.middleware.AuthenticationMiddleware",
     "recall_site.middleware.SessionIdleMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "recall_site.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "recall_site.middleware.DatabaseUnavailableMiddleware",
     # Last, as django-axes asks: turns a locked-out login into its 429 page.

@@ -86,6 +86,25 @@ def test_a_tiny_bench_run_prints_every_figure():
     assert any(c[0] == "long-poll" and "% of one core" in c[2] for c in cells)
 
 
+@pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
+@pytest.mark.parametrize("kind", ["model", "http"])
+def test_the_hot_path_measure_runs_its_steps(kind):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.hotpath", kind, "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    assert re.search(
+        rf"^{kind}: 3 claim \+ complete steps, [0-9.]+ ms of CPU each$",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout
+
+
 def test_scale_sizes_read_like_the_docs_write_them():
     assert scale.parse_scale("10m") == 10_000_000
     assert scale.parse_scale("250k") == 250_000

@@ -134,7 +134,9 @@ def authenticate_workers(
 
 
 def touch_worker(worker: Worker, *, now: datetime) -> None:
-    workers.touch(worker, now)
+    """Record that the worker was seen at ``now`` (at most once per
+    ``Worker.LAST_SEEN_RESOLUTION``): every API request does."""
+    backend().touch(worker, now)
 
 
 def create_worker(name: str) -> tuple[Worker, str]:

@@ -40,7 +40,7 @@ from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
-from . import actions, repairs
+from . import actions, repairs, workers
 from .outbox import finishing
 from .rows import (
     add_tally,
@@ -139,6 +139,10 @@ class OrmBackend:
         """``authenticate`` for each token, in order (one statement on
         PostgreSQL)."""
         return [self.authenticate(token) for token in tokens]
+
+    def touch(self, worker: Worker, now: datetime) -> None:
+        """Record that the worker was seen (``workers.touch``)."""
+        workers.touch(worker, now)
 
     # --- Claim ------------------------------------------------------------------
 

@@ -436,6 +436,8 @@ def log_lease(
 ) -> None:
     """One INFO line per lease transition, with the ids a job's life is
     followed by (``LOG_FORMAT=json`` puts them in fields of their own)."""
+    if not log.isEnabledFor(logging.INFO):
+        return  # LOG_LEVEL=WARNING: not even the fields are gathered
     attempt = job.attempts if attempt is None else attempt
     log.info(
         "%s: job=%s attempt=%s worker=%s batch=%s",

@@ -266,6 +266,11 @@ WORKERS_WITH_PREFIX = _workers_where("w.{worker.token_prefix} = %(prefix)s")
 # The same for many tokens at once (the woken long-poll claims of a process).
 WORKERS_WITH_PREFIXES = _workers_where("w.{worker.token_prefix} = ANY(%(prefixes)s)")
 
+# The worker was seen now (``workers.touch``, which decides when it is due).
+TOUCH_WORKER = sql(
+    "UPDATE {worker} SET {worker.last_seen} = %(now)s WHERE {worker.id} = %(worker)s"
+)
+
 # --- Claim -----------------------------------------------------------------------
 
 # Is there an expired lease to reclaim, or an interrupted cancel to finish (each

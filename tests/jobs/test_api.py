@@ -257,6 +257,38 @@ def test_csrf_does_not_apply_to_token_auth(worker):
     assert response.status_code == 204
 
 
+def test_answers_carry_the_sites_headers_and_never_a_cookie(worker, operator):
+    """The worker API passes the pages' session, user and message middlewares
+    by (recall_site/middleware.py): its answers are as they were, with the
+    site's security headers, and a logged-in operator's cookies change
+    nothing, while the pages keep their sessions."""
+    client = Client()
+    client.force_login(operator)
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {worker.token}"}
+    make_batch(1)
+
+    claim = client.post("/api/v1/claim", b"{}", "application/json", **auth)
+    job = claim.json()["job"]
+    complete = client.post(
+        f"/api/v1/jobs/{job['id']}/complete",
+        {"lease_token": job["lease_token"], "result": {"text": "hi"}},
+        "application/json",
+        **auth,
+    )
+
+    for response in (claim, complete):
+        assert response.status_code == 200, response.content
+        assert sorted(response.headers) == [
+            "Content-Length", "Content-Type", "Cross-Origin-Opener-Policy",
+            "Referrer-Policy", "X-Content-Type-Options", "X-Frame-Options",
+        ]  # fmt: skip
+        assert response.cookies == {}
+    page = client.get("/workers/")
+    assert page.status_code == 200
+    assert page.wsgi_request.user == operator
+    assert page.headers["Vary"] == "Cookie"
+
+
 def test_tokens_are_stored_only_hashed(worker):
     stored = Worker.objects.filter(pk=worker.pk).values().get()
     assert worker.token not in json.dumps(stored, default=str)

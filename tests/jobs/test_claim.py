@@ -246,3 +246,44 @@ def test_a_worker_at_its_cap_with_nothing_claimable_gets_nothing(worker, setting
     claim(worker)
 
     assert transitions.claim_next(worker, now=later(1)) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_after_a_dropped_connection_gets_a_cursor_of_the_new_one(worker, batch):
+    """The statement backend keeps one cursor per connection: after a claim on a
+    connection the database then dropped, the next claim uses the new one."""
+    from django.db import connection, connections
+
+    if connection.vendor != "postgresql":
+        pytest.skip("only a server can drop a connection")
+    first = claim(worker)
+    dropped = connection.connection.info.backend_pid
+    other = connections.create_connection("default")
+    try:
+        with other.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [dropped])
+    finally:
+        other.close()
+    connection.health_check_done = False  # as at the start of each request
+
+    second = claim(worker)
+
+    assert [first.pk, second.pk] == [j.pk for j in jobs_of(batch)[:2]]
+    assert connection.connection.info.backend_pid != dropped
+    assert_consistent()
+
+
+def test_a_claimed_job_carries_the_times_the_orm_reads(worker, batch):
+    """The claim's job, built from the statement's row (the statement backend
+    reads timestamps with psycopg's own loader), has the very datetimes the
+    ORM reads back: same instants, same zone object."""
+    job = transitions.claim_next(worker)  # the database's clock, as the API
+    stored = Job.objects.get(pk=job.pk)
+
+    for name in ("lease_expires_at", "heartbeat_at", "updated_at", "created_at"):
+        mine, orms = getattr(job, name), getattr(stored, name)
+        assert (mine, mine.tzinfo) == (orms, orms.tzinfo), name
+    assert (job.item.created_at, job.item.created_at.tzinfo) == (
+        stored.item.created_at,
+        stored.item.created_at.tzinfo,
+    )

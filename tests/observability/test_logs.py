@@ -161,3 +161,53 @@ def test_the_cluster_logs_json_lines(tmp_path):
     assert {line["logger"] for line in lines} == {"django-q"}
     assert len({line["pid"] for line in lines}) >= 3  # the cluster's processes
     assert any(line["message"].endswith("running.") for line in lines)
+
+
+# --- gunicorn's access lines (recall_site/gunicorn_worker.py, AccessLogger) --------
+
+
+@pytest.mark.parametrize(
+    "format",
+    [
+        None,  # gunicorn's default, Recall's
+        '%(h)s %(l)s %(u)s "%(r)s" %(s)s %(b)s %(B)s "%(f)s" "%(a)s" %(m)s %(U)s '
+        "%(q)s %(H)s %(T)s %(D)s %(M)s %(L)s %(p)s %(x)s",
+        '%(h)s "%({user-agent}i)s" %({content-type}o)s %({http_host}e)s',
+    ],
+)
+def test_the_access_logger_writes_gunicorns_lines(format):
+    """Recall's access logger gathers only the atoms a format can name, and
+    writes exactly the line gunicorn's own logger writes."""
+    from datetime import timedelta
+
+    from gunicorn import glogging
+    from gunicorn.config import Config
+
+    from recall_site.gunicorn_worker import AccessLogger
+
+    class Response:
+        status, sent = "200 OK", 123
+        headers = [("Content-Type", "application/json"), ("X-Frame-Options", "DENY")]
+
+    class Request:
+        headers = [("HOST", "127.0.0.1:8000"), ("USER-AGENT", 'a "quoted" agent')]
+
+    environ = {
+        "REMOTE_ADDR": "10.0.0.1", "REQUEST_METHOD": "POST",
+        "RAW_URI": "/api/v1/claim?x=1", "SERVER_PROTOCOL": "HTTP/1.1",
+        "PATH_INFO": "/api/v1/claim", "QUERY_STRING": "x=1",
+        "HTTP_USER_AGENT": 'a "quoted" agent', "HTTP_HOST": "127.0.0.1:8000",
+        "HTTP_AUTHORIZATION": "Basic dXNlcjpwdw==", "wsgi.version": (1, 0),
+    }  # fmt: skip
+    config = Config()
+    if format is not None:
+        config.set("access_log_format", format)
+    took = timedelta(seconds=1, microseconds=2345)
+
+    def line(logger_class) -> str:
+        logger = logger_class(config)
+        logger.now = lambda: "[03/Dec/2026:07:13:58 +0000]"
+        atoms = logger.atoms(Response(), Request(), environ, took)
+        return config.access_log_format % glogging.SafeAtoms(atoms)
+
+    assert line(AccessLogger) == line(glogging.Logger)

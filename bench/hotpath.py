@@ -1,0 +1,160 @@
+"""What one claim and its completion cost the app, measured so that a loaded
+machine does not move the figure: ``python -m bench.hotpath``.
+
+Throughput figures (``make bench`` rows 2 and 3) are wall-clock rates: on a
+shared machine they move by tens of percent from one hour to the next. This
+runs the same claim + complete in one process, one after another, and prints
+the CPU time per step; under callgrind the instruction count of those steps
+alone, which is the same on a quiet machine and a busy one:
+
+    valgrind --tool=callgrind --collect-atstart=no \\
+        --toggle-collect=sys_call_tracing --callgrind-out-file=hot.cg \\
+        .venv/bin/python -m bench.hotpath --database-url URL model 300
+    grep ^summary hot.cg    # instructions of the 300 steps
+
+Only the measured steps run inside ``sys.call_tracing`` (which nothing else
+calls), so callgrind counts them and not Django's start-up. ``model`` calls
+``transitions.claim_next`` and ``transitions.complete`` as bench/loops.py's
+model loop does (row 2); ``http`` sends the worker's two requests through
+Django's WSGI handler in process (every middleware, the views, the request
+metrics as gunicorn's processes keep them), without a socket or gunicorn
+(row 3 less the server). The queue is seeded fresh each run (bench/seed.py),
+finished jobs in front, and one job more than the steps take, so no step
+finishes the batch. ``--profile FILE`` writes a cProfile of the steps (CPU
+time, so waits for the database do not count) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+WARM_UP = 50
+
+
+def _model_step(worker) -> Callable[[], None]:
+    from jobs import transitions
+
+    def step() -> None:
+        job = transitions.claim_next(worker)
+        if job is None:
+            raise RuntimeError("the queue ran dry")
+        transitions.complete(job, job.lease_token, worker=worker, result={"text": "ok"})
+
+    return step
+
+
+def _http_step(token: str) -> Callable[[], None]:
+    from django.core.wsgi import get_wsgi_application
+
+    application = get_wsgi_application()
+
+    def post(path: str, body: bytes) -> bytes:
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "SCRIPT_NAME": "",
+            "PATH_INFO": path,
+            "RAW_URI": path,
+            "QUERY_STRING": "",
+            "SERVER_NAME": "127.0.0.1",
+            "SERVER_PORT": "8000",
+            "SERVER_PROTOCOL": "HTTP/1.1",
+            "REMOTE_ADDR": "127.0.0.1",
+            "HTTP_HOST": "127.0.0.1:8000",
+            "HTTP_USER_AGENT": "Python-urllib/3.11",
+            "HTTP_AUTHORIZATION": f"Bearer {token}",
+            "CONTENT_TYPE": "application/json",
+            "CONTENT_LENGTH": str(len(body)),
+            "wsgi.input": io.BytesIO(body),
+            "wsgi.errors": sys.stderr,
+            "wsgi.url_scheme": "http",
+            "wsgi.version": (1, 0),
+            "wsgi.multithread": True,
+            "wsgi.multiprocess": True,
+            "wsgi.run_once": False,
+        }
+        status: list[str] = []
+        response = application(environ, lambda s, h, e=None: status.append(s))
+        data = b"".join(response)
+        response.close()
+        if not status[0].startswith("200"):
+            raise RuntimeError(f"{path}: {status[0]} {data[:200]!r}")
+        return data
+
+    def step() -> None:
+        job = json.loads(post("/api/v1/claim", b"{}"))["job"]
+        body = {"lease_token": job["lease_token"], "result": {"text": "ok"}}
+        post(f"/api/v1/jobs/{job['id']}/complete", json.dumps(body).encode())
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.hotpath", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("kind", choices=["model", "http"])
+    parser.add_argument("steps", type=int, help="claim + complete steps to measure")
+    parser.add_argument(
+        "--database-url", help="a PostgreSQL database (default: a private server)"
+    )
+    parser.add_argument("--profile", help="write a cProfile of the steps here")
+    args = parser.parse_args(argv)
+
+    from bench.run import _setup_django, _start_database
+
+    # As gunicorn's processes keep the request metrics (jobs/metric_files.py).
+    os.environ.setdefault(
+        "PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="recall-hotpath-")
+    )
+    url, server = _start_database(args)
+    try:
+        _setup_django(url)
+        from bench import seed
+        from bench.loops import utcnow
+
+        seed.reset()
+        ((worker, token),) = seed.workers(1, prefix="hotpath")
+        jobs = WARM_UP + args.steps + 1
+        seed.batch(
+            "hotpath", now=utcnow() - timedelta(seconds=1), completed=jobs, queued=jobs
+        )
+        step = _model_step(worker) if args.kind == "model" else _http_step(token)
+        for _ in range(WARM_UP):
+            step()
+
+        def steps() -> None:
+            for _ in range(args.steps):
+                step()
+
+        profiler = None
+        if args.profile:
+            import cProfile
+
+            profiler = cProfile.Profile(time.process_time)
+            profiler.enable()
+        cpu = time.process_time()
+        sys.call_tracing(steps, ())
+        cpu = time.process_time() - cpu
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+        print(
+            f"{args.kind}: {args.steps} claim + complete steps, "
+            f"{1000 * cpu / args.steps:.3f} ms of CPU each"
+        )
+    finally:
+        if server is not None:
+            server.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
