@@ -36,7 +36,7 @@ from .metrics import count_request, observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
 from .transitions.rules import heartbeat_interval
-from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, Waiter
+from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, ClaimRequest, Waiter
 
 log = logging.getLogger("recall.api")
 
@@ -195,12 +195,13 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
     waiter = request.META.get(WAITER_KEY)
     if not isinstance(waiter, Waiter):
         waiter = None
-    if wait and waiter and waiter.quiet and waiter.park(wait, request.body):
+    kept = ClaimRequest(wait_seconds=wait)  # what a parked claim keeps
+    if wait and waiter and waiter.quiet and waiter.park(wait, kept):
         return HttpResponse(status=204)
     job = transitions.claim_next(worker, now=now)
     if job is None:
         if wait and waiter:
-            waiter.park(wait, request.body)
+            waiter.park(wait, kept)
         return HttpResponse(status=204)
     return JsonResponse(claimed(job))
 

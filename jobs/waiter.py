@@ -10,19 +10,38 @@ loop (no thread, no database connection) and, when its probe
 a job may be claimable, claims for it with ``jobs.api.claims_for_waiting``;
 or it answers the 204 it kept when the wait is over. A server without
 a waiter (``runserver``, the sync worker, the test client) answers at once, as
-before. No Django imports: gunicorn's master loads this with the worker class.
+before. A parked claim keeps its parsed parameters (``ClaimRequest``), never
+its body: a claim may carry megabytes it does not need, and a thousand of them
+waiting held gigabytes. No Django imports: gunicorn's master loads this with
+the worker class.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 WAITER_KEY = "recall.waiter"
 MAX_WAIT_SECONDS = 60
 # A wait with less than this left is over: answering beats parking for a blink.
 MIN_PARK_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """What a parked claim keeps of its request: the claim's parameters, parsed
+    and validated by the view (a few numbers: add a field here for each new
+    claim parameter). When the view must answer a woken claim itself (its
+    worker was refused meanwhile), the server runs it again on ``body()``."""
+
+    wait_seconds: float
+
+    def body(self) -> bytes:
+        """The JSON body the view parses back into these parameters."""
+        return json.dumps(asdict(self)).encode()
 
 
 class Waiter:
@@ -42,7 +61,7 @@ class Waiter:
         self.quiet = quiet
         self.deadline: float | None = None
         self.parked = False
-        self.body = b""
+        self.claim: ClaimRequest | None = None
         # The server's own state for this request (its parsed request, the
         # response kept for the deadline); the view never reads it.
         self.held: Any = None
@@ -51,15 +70,15 @@ class Waiter:
         # with the status its client got (a woken claim's 200 counts itself).
         self.on_answer: Callable[[], None] | None = None
 
-    def park(self, wait_seconds: float, body: bytes) -> bool:
+    def park(self, wait_seconds: float, claim: ClaimRequest) -> bool:
         """Hold this request until a job may be claimable or ``wait_seconds``
-        (counted from the request's arrival) have passed; False when the wait
-        is already over and the view should answer now."""
+        (counted from the request's arrival) have passed, keeping ``claim``;
+        False when the wait is already over and the view should answer now."""
         if wait_seconds <= 0:
             return False
         if self.deadline is None:
             self.deadline = self.started + wait_seconds
         if self.deadline - time.monotonic() < MIN_PARK_SECONDS:
             return False
-        self.body, self.parked = body, True
+        self.claim, self.parked = claim, True
         return True
