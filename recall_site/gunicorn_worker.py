@@ -457,7 +457,7 @@ class ThreadWorker(StockThreadWorker):
             if not conn.urgent and self._overloaded():
                 # Shed before reading its body (closed at once: whatever of it
                 # is on its way costs nothing more).
-                self._refuse(conn, busy(), linger=False)
+                self._refuse(conn, busy(req.path if req else "/"), linger=False)
                 self._update()
                 return
             if not conn.urgent and reading.in_body:
@@ -485,11 +485,17 @@ class ThreadWorker(StockThreadWorker):
         conn.reading = None
         conn.data_ready = True  # gunicorn's handler must not wait for data
         if not conn.urgent and self._overloaded():
-            self._refuse(conn, busy())
+            self._refuse(conn, busy(self._path(conn)))
             return
         conn.queued = time.monotonic()
         (self.ready_urgent if conn.urgent else self.ready).append(conn)
         self._update()
+
+    @staticmethod
+    def _path(conn: Connection) -> str:
+        """The path of ``conn``'s request read in full (for the 503's kind)."""
+        req = conn.parser.mesg if isinstance(conn.parser, OneRequest) else None
+        return req.path if req is not None else "/"
 
     def _overloaded(self) -> bool:
         """Too many bodies on their way since less than ``SLOW_SECONDS`` (a slow
@@ -611,7 +617,8 @@ class ThreadWorker(StockThreadWorker):
             if force or conn.deadline <= now:
                 self._end_linger(conn)
         while self.ready and (force or self.ready[0].queued < now - QUEUE_SECONDS):
-            self._refuse(self.ready.popleft(), busy())  # served elsewhere, or later
+            waited = self.ready.popleft()  # served elsewhere, or later
+            self._refuse(waited, busy(self._path(waited)))
         self._update()
 
     def murder_keepalived(self, force=False):

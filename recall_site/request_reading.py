@@ -125,15 +125,33 @@ def timed_out() -> bytes:
     )
 
 
-def busy() -> bytes:
-    """The 503 of a process with too many requests waiting for a thread (the
-    worker API's ``unavailable``: workers retry it with backoff)."""
-    return answer(
-        503,
-        "Service Unavailable",
-        "unavailable",
-        "The server is busy: try again in a moment.",
-    ).replace(b"Connection: close\r\n", b"Connection: close\r\nRetry-After: 1\r\n")
+BUSY_PAGE = (
+    b"<!doctype html><title>Busy</title><h1>The server is busy</h1>"
+    b"<p>Try again in a moment.</p>\n"
+)
+
+
+def busy(path: str = "/api/") -> bytes:
+    """The 503 of an overloaded process: the API's ``unavailable`` (workers
+    retry it with backoff, after ``Retry-After``), or a short page for a
+    person's browser."""
+    if path.startswith("/api/"):
+        response = answer(
+            503,
+            "Service Unavailable",
+            "unavailable",
+            "The server is busy: try again in a moment.",
+        )
+    else:
+        response = (
+            b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
+            b"Content-Type: text/html; charset=utf-8\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(BUSY_PAGE)
+            + BUSY_PAGE
+        )
+    return response.replace(
+        b"Connection: close\r\n", b"Connection: close\r\nRetry-After: 1\r\n", 1
+    )
 
 
 class Memory:

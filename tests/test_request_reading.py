@@ -19,6 +19,7 @@ from recall_site.request_reading import (
     Memory,
     Reading,
     Refusal,
+    busy,
 )
 
 CLIENT = ("127.0.0.1", 40000)
@@ -201,3 +202,13 @@ def test_expect_100_continue_is_answered_by_the_loop_not_the_thread(limits):
     reading.feed(b"{}")
     req, read = _read_back(reading)
     assert (read, req._expected_100_continue) == (b"{}", False)
+
+
+def test_an_overloaded_process_answers_the_api_in_json_and_people_with_a_page():
+    api, page = busy("/api/v1/claim"), busy("/batches/new/")
+
+    assert api.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert b"\r\nRetry-After: 1\r\n" in api and b"\r\nRetry-After: 1\r\n" in page
+    assert json.loads(api.split(b"\r\n\r\n")[1])["error"] == "unavailable"
+    assert b"Content-Type: text/html" in page
+    assert page.split(b"\r\n\r\n")[1].startswith(b"<!doctype html>")

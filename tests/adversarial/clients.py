@@ -7,6 +7,7 @@ import contextlib
 import json
 import socket
 import time
+import weakref
 from collections.abc import Iterator
 
 from ..test_server import start_server
@@ -57,46 +58,56 @@ def request_bytes(
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
+# Bytes read past a response (the next one's, pipelined), by socket.
+_pending: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def read_response(sock: socket.socket, timeout: float = 30) -> tuple[int, dict, bytes]:
-    """One response from ``sock``: (status, headers in lower case, body)."""
+    """One response from ``sock``: (status, headers in lower case, body). What
+    comes after it is kept for the next call."""
     sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
+    data = raw = _pending.pop(sock, b"")
+
+    def more() -> None:
+        nonlocal data, raw
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            _pending[sock] = raw  # all of it, for a later call
+            raise
         if not chunk:
             raise ConnectionError(f"closed before an answer: {data!r}")
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
+        data, raw = data + chunk, raw + chunk
+
+    while b"\r\n\r\n" not in data:
+        more()
+    head, _, data = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ", 2)[1])
     headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
-    if headers.get("transfer-encoding") == "chunked":
-        while not rest.endswith(b"0\r\n\r\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            rest += chunk
-        return status, headers, _unchunk(rest)
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        rest += chunk
-    return status, headers, rest
-
-
-def _unchunk(data: bytes) -> bytes:
     body = b""
-    while True:
-        size, _, data = data.partition(b"\r\n")
-        n = int(size.split(b";")[0], 16)
-        if n == 0:
-            return body
-        body, data = body + data[:n], data[n + 2 :]
+    if headers.get("transfer-encoding") == "chunked":
+        while True:
+            while b"\r\n" not in data:
+                more()
+            size, _, data = data.partition(b"\r\n")
+            n = int(size.split(b";")[0], 16)
+            while len(data) < n + 2:
+                more()
+            body, data = body + data[:n], data[n + 2 :]
+            if n == 0:
+                break
+    else:
+        length = int(headers.get("content-length", "0"))
+        while len(data) < length:
+            more()
+        body, data = data[:length], data[length:]
+    if data:
+        _pending[sock] = data
+    return status, headers, body
 
 
 def call(
