@@ -17,13 +17,19 @@ The worker API's request metrics are prometheus_client multiprocess metrics:
 each worker writes its own files in ``PROMETHEUS_MULTIPROC_DIR`` (set here
 before any worker starts, emptied at start), and a worker that exits has its
 counts folded into an archive (``jobs/metric_files.py``).
+
+The files the processes share (those metrics, the long-poll probe's answer and
+nudge sockets, spooled request bodies) live in Recall's private run directory
+(``RECALL_RUN_DIR``, by default ``recall-<uid>`` in the temporary directory;
+``recall_site/rundir.py``): created with mode 0700 and checked before the
+first worker starts. The server refuses to start if it, or a
+``PROMETHEUS_MULTIPROC_DIR`` given, is not its own.
 """
 
 import contextlib
 import glob
 import os
 import shutil
-import tempfile
 
 wsgi_app = "recall_site.wsgi:application"
 bind = os.environ.get("RECALL_BIND", "127.0.0.1:8000")
@@ -66,9 +72,13 @@ if os.environ.get("LOG_FORMAT", "text") == "json":
 
     logconfig_dict = gunicorn_logging(os.environ.get("LOG_LEVEL", "INFO"), accesslog)
 
-# One directory per server; by default a fresh one named after the master, which
-# a configuration reload (same master) finds again.
-OWN_METRICS_DIR = os.path.join(tempfile.gettempdir(), f"recall-metrics-{os.getpid()}")
+# Recall's private run directory (checked in on_starting), for the workers too.
+from recall_site import rundir  # noqa: E402 (standard library only)
+
+RUN_DIR = os.environ[rundir.ENV] = os.path.abspath(rundir.path())
+# One metrics directory per server; by default a fresh one in the run directory
+# named after the master, which a configuration reload (same master) finds again.
+OWN_METRICS_DIR = os.path.join(RUN_DIR, f"metrics-{os.getpid()}")
 METRICS_DIR = os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", OWN_METRICS_DIR)
 
 # full: check every job and recount counters; quick: a normal sweep; off: none.
@@ -79,11 +89,21 @@ def on_starting(server):
     from jobs import metric_files, worker_limits
     from recall_site.gunicorn_worker import remove_leftovers
 
+    owner = (server.cfg.uid, server.cfg.gid)  # the workers' user (--user)
+    try:
+        rundir.ensure(RUN_DIR, owner=owner)
+        rundir.ensure(
+            METRICS_DIR, owner=owner, others_may_read=METRICS_DIR != OWN_METRICS_DIR
+        )
+    except rundir.UnsafeDirectory as error:
+        message = f"Recall will not start: {error}."
+        server.log.error(message)
+        raise SystemExit(message) from None
     metric_files.prepare(METRICS_DIR)
     # The per-worker limits' shared table, made before the first fork so that
     # every worker process counts in it (jobs/worker_limits.py).
     worker_limits.prepare()
-    for path in remove_leftovers():
+    for path in remove_leftovers(RUN_DIR):
         server.log.info("removed %s, left by a server no longer running", path)
     if STARTUP_SWEEP == "off":
         return
@@ -128,6 +148,10 @@ def post_worker_init(worker):
 
     from django.urls import get_resolver
 
+    from recall_site.gunicorn_worker import free_large_allocations
+
+    free_large_allocations()
+
     get_resolver().url_patterns  # noqa: B018 (imports every view)
     gc.freeze()
 
@@ -141,9 +165,10 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
-    from recall_site.gunicorn_worker import nudge_socket, probe_file
+    from recall_site.gunicorn_worker import probe_file
 
-    for path in [probe_file(os.getpid()), *glob.glob(nudge_socket(os.getpid(), "*"))]:
+    own = probe_file(os.getpid(), RUN_DIR)
+    for path in [own, *glob.glob(glob.escape(own) + "-*.sock")]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
     if METRICS_DIR == OWN_METRICS_DIR:

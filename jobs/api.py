@@ -40,7 +40,7 @@ from .metrics import count_request, observed
 from .models import Job, Worker
 from .tokens import MAX_TOKEN_LENGTH
 from .transitions.rules import heartbeat_interval, max_leases
-from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, Waiter
+from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, ClaimRequest, Waiter
 
 log = logging.getLogger("recall.api")
 
@@ -218,14 +218,15 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
     if not isinstance(waiter, Waiter) or not wait:
         waiter = None
     limit = settings.RECALL_MAX_WAITING_CLAIMS_PER_WORKER
+    kept = ClaimRequest(wait_seconds=wait)  # what a parked claim keeps
     if waiter and waiter.quiet:
-        if waiter.park(wait, request.body, worker=worker.pk, limit=limit):
+        if waiter.park(wait, kept, worker=worker.pk, limit=limit):
             return HttpResponse(status=204)
         waiter = None  # the wait is over, or the worker may not wait more
     job = transitions.claim_next(worker, now=now, max_leases=cap)
     if job is None:
         if waiter:
-            waiter.park(wait, request.body, worker=worker.pk, limit=limit)
+            waiter.park(wait, kept, worker=worker.pk, limit=limit)
         return HttpResponse(status=204)
     return JsonResponse(claimed(job))
 

@@ -10,7 +10,10 @@ loop (no thread, no database connection) and, when its probe
 a job may be claimable, claims for it with ``jobs.api.claims_for_waiting``;
 or it answers the 204 it kept when the wait is over. A server without
 a waiter (``runserver``, the sync worker, the test client) answers at once, as
-before. No Django imports: gunicorn's master loads this with the worker class.
+before. A parked claim keeps its parsed parameters (``ClaimRequest``), never
+its body: a claim may carry megabytes it does not need, and a thousand of them
+waiting held gigabytes. No Django imports: gunicorn's master loads this with
+the worker class.
 
 A worker may have at most ``RECALL_MAX_WAITING_CLAIMS_PER_WORKER`` claims
 waiting on the whole server (``jobs/worker_limits.py``): ``park`` counts a
@@ -22,8 +25,10 @@ again through the view, is still the same claim).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import worker_limits
@@ -32,6 +37,20 @@ WAITER_KEY = "recall.waiter"
 MAX_WAIT_SECONDS = 60
 # A wait with less than this left is over: answering beats parking for a blink.
 MIN_PARK_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """What a parked claim keeps of its request: the claim's parameters, parsed
+    and validated by the view (a few numbers: add a field here for each new
+    claim parameter). When the view must answer a woken claim itself (its
+    worker was refused meanwhile), the server runs it again on ``body()``."""
+
+    wait_seconds: float
+
+    def body(self) -> bytes:
+        """The JSON body the view parses back into these parameters."""
+        return json.dumps(asdict(self)).encode()
 
 
 class Waiter:
@@ -51,7 +70,7 @@ class Waiter:
         self.quiet = quiet
         self.deadline: float | None = None
         self.parked = False
-        self.body = b""
+        self.claim: ClaimRequest | None = None
         # The server's own state for this request (its parsed request, the
         # response kept for the deadline); the view never reads it.
         self.held: Any = None
@@ -65,16 +84,16 @@ class Waiter:
     def park(
         self,
         wait_seconds: float,
-        body: bytes,
+        claim: ClaimRequest,
         *,
         worker: int | None = None,
         limit: int = 0,
     ) -> bool:
         """Hold this request until a job may be claimable or ``wait_seconds``
-        (counted from the request's arrival) have passed; False when the wait
-        is already over, or ``worker`` has ``limit`` claims waiting already,
-        and the view should answer now. Counted against ``worker`` from here
-        until ``done``."""
+        (counted from the request's arrival) have passed, keeping ``claim``;
+        False when the wait is already over, or ``worker`` has ``limit`` claims
+        waiting already, and the view should answer now. Counted against
+        ``worker`` from here until ``done``."""
         if wait_seconds <= 0:
             return False
         if self.deadline is None:
@@ -85,7 +104,7 @@ class Waiter:
             if not worker_limits.hold_waiting(worker, limit):
                 return False
             self.counted = worker
-        self.body, self.parked = body, True
+        self.claim, self.parked = claim, True
         return True
 
     def done(self) -> None:

@@ -27,6 +27,26 @@ log = logging.getLogger("recall.site")
 # A lost or refused database connection: answered 503, not 500.
 
 
+class ReleaseBodyMiddleware:
+    """Let go of a request's body as soon as its response is made.
+
+    Django's request is part of reference cycles (``request.user`` is a lazy
+    object whose closure holds the request), so it is freed only when the
+    garbage collector next breaks them, and with it the body it read: after
+    twenty 5 MB claims a process was 95 MB larger. Dropping the body here
+    frees it at once. Outermost, so that nothing after it reads the body."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        try:
+            return self.get_response(request)
+        finally:
+            request.__dict__.pop("_body", None)
+            request.__dict__.pop("_stream", None)
+
+
 class HealthCheckMiddleware:
     """Answer /healthz and /readyz first, before host validation, sessions or
     HTTPS redirects: load balancers and Kubernetes probe by IP over plain HTTP.

@@ -86,6 +86,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "recall_site.middleware.ReleaseBodyMiddleware",
     "recall_site.middleware.HealthCheckMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "recall_site.middleware.ContentSecurityPolicyMiddleware",
@@ -328,6 +329,11 @@ RECALL_WORKER_RATE_BURST = env.int("RECALL_WORKER_RATE_BURST", default=200)
 RECALL_LONG_POLL_PROBE_SECONDS = env.float(
     "RECALL_LONG_POLL_PROBE_SECONDS", default=0.25
 )
+# Slow clients (recall_site/gunicorn_worker.py): a request's head must arrive
+# within this many seconds of its first byte (of the connection's opening for
+# the first), and a body may never stop for this long, or the server answers
+# 408 and drops it. No request takes a thread before it has arrived whole.
+RECALL_CLIENT_TIMEOUT_SECONDS = env.float("RECALL_CLIENT_TIMEOUT_SECONDS", default=10)
 # How many expired leases one claim reclaims before it looks for work.
 RECALL_RECLAIM_ON_CLAIM = env.int("RECALL_RECLAIM_ON_CLAIM", default=100)
 # Rows per transaction in the sweep and in bulk operations: keeps locks short.
@@ -454,6 +460,10 @@ if not (0 <= RECALL_WORKER_RATE_PER_SECOND < float("inf")):
     )
 if not 1 <= RECALL_WORKER_RATE_BURST <= 1_000_000:
     raise ImproperlyConfigured("RECALL_WORKER_RATE_BURST must be 1 to 1,000,000.")
+if not 0 < RECALL_CLIENT_TIMEOUT_SECONDS <= 3600:
+    raise ImproperlyConfigured(
+        "RECALL_CLIENT_TIMEOUT_SECONDS must be above 0 and at most 3600."
+    )
 if not 0 < RECALL_LONG_POLL_PROBE_SECONDS <= 10:
     raise ImproperlyConfigured(
         "RECALL_LONG_POLL_PROBE_SECONDS must be above 0 and at most 10."

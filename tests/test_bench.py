@@ -69,7 +69,7 @@ def test_a_tiny_bench_run_prints_every_figure():
 
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     rows = re.findall(r"^(\d+)\s{2,}(.*)$", result.stdout, re.MULTILINE)
-    assert {n for n, _ in rows} == {*(str(n) for n in range(1, 16)), "17"}
+    assert {n for n, _ in rows} == {*(str(n) for n in range(1, 16)), "17", "18"}
     cells = [re.split(r"\s{2,}", row) for _, row in rows]
     scenarios = {c[0] for c in cells}
     assert {
@@ -84,6 +84,14 @@ def test_a_tiny_bench_run_prints_every_figure():
     assert scraped[0][2] == "yes"
     assert any(c[0] == "idle fleet" and "% of one core" in c[2] for c in cells)
     assert any(c[0] == "long-poll" and "% of one core" in c[2] for c in cells)
+    hostile = [c for c in cells if c[0] == "hostile clients"]
+    assert [c[1] for c in hostile[1:]] == [
+        "leases expired",
+        "/healthz answered every 0.5 s (5 s timeout)",
+        hostile[3][1],  # server memory growth, with the sizes measured
+        "what the attackers sent and got",
+    ]
+    assert hostile[3][1].startswith("server memory growth")
 
 
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")

@@ -435,15 +435,18 @@ def test_without_nudge_sockets_a_waiting_claim_is_still_woken(tmp_path):
 
 def test_a_server_killed_outright_leaves_files_the_next_one_removes(tmp_path):
     """A master killed with SIGKILL (power loss) never runs ``on_exit``: its
-    probe file and its processes' nudge sockets stay. The next server to start
-    with the same temporary directory removes them, and long-poll works."""
+    probe file, its processes' nudge sockets and its metrics directory stay.
+    The next server to start with the same temporary directory removes them,
+    and long-poll works."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     (tmp_path / "first").mkdir()
     process, port, _ = start_server(
         tmp_path / "first", PROCESSES, THREADS, env={"TMPDIR": str(tmp)}
     )
-    answer = tmp / os.path.basename(probe_file(process.pid))
+    private = tmp / f"recall-{os.getuid()}"  # the server's run directory
+    answer = private / os.path.basename(probe_file(process.pid))
+    metrics = private / f"metrics-{process.pid}"
     client = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         worker = make_worker("gpu-killed-with-its-server")
@@ -465,8 +468,11 @@ def test_a_server_killed_outright_leaves_files_the_next_one_removes(tmp_path):
         process.wait(timeout=30)
         client.close()
     assert all(os.path.exists(path) for path in left)
+    assert metrics.is_dir()
 
     with serving(tmp_path, {"TMPDIR": str(tmp)}) as (_, port, log):
         assert not any(os.path.exists(path) for path in left)
-        assert log.read_text().count("left by a server no longer running") == len(left)
+        assert not metrics.exists()
+        removed = log.read_text().count("left by a server no longer running")
+        assert removed == len(left) + 1
         woken_by_a_new_batch(port)

@@ -16,7 +16,7 @@ from jobs import transitions
 from jobs.api import claims_for_waiting
 from jobs.longpoll import claimable_jobs
 from jobs.models import Job, JobStatus
-from jobs.waiter import WAITER_KEY, Waiter
+from jobs.waiter import WAITER_KEY, ClaimRequest, Waiter
 
 from ..factories import T0, claim, jobs_of, later, make_batch, make_worker
 
@@ -89,14 +89,16 @@ def _claim_with(api, body: dict, waiter: Waiter):
     )
 
 
-def test_an_empty_queue_parks_the_claim_with_its_body(api):
+def test_an_empty_queue_parks_the_claim_with_its_parameters_not_its_body(api):
     waiter = Waiter(started=time.monotonic())
 
-    response = _claim_with(api, {"wait_seconds": 30, "x": 1}, waiter)
+    response = _claim_with(api, {"wait_seconds": 30, "x": "y" * 100_000}, waiter)
 
     assert (response.status_code, response.content) == (204, b"")
     assert waiter.parked is True
-    assert waiter.body == b'{"wait_seconds": 30, "x": 1}'
+    assert waiter.claim == ClaimRequest(wait_seconds=30.0)
+    assert waiter.claim.body() == b'{"wait_seconds": 30.0}'
+    assert not hasattr(waiter, "body")
     assert waiter.deadline == waiter.started + 30
 
 
@@ -129,17 +131,17 @@ def test_a_claim_that_may_wait_on_a_quiet_server_is_parked_without_trying(api):
 
 def test_a_wait_counts_from_the_first_arrival_and_ends():
     waiter = Waiter(started=time.monotonic() - 10)
-    assert waiter.park(30, b"{}") is True
+    assert waiter.park(30, ClaimRequest(30)) is True
     first_deadline = waiter.deadline
 
     # Tried again later: the deadline does not move.
-    assert waiter.park(30, b"{}") is True
+    assert waiter.park(30, ClaimRequest(30)) is True
     assert waiter.deadline == first_deadline
 
     over = Waiter(started=time.monotonic() - 31)
-    assert over.park(30, b"{}") is False
+    assert over.park(30, ClaimRequest(30)) is False
     assert over.parked is False
-    assert Waiter().park(0, b"{}") is False
+    assert Waiter().park(0, ClaimRequest(0)) is False
 
 
 def test_the_view_answers_a_claim_whose_wait_is_over(api):
