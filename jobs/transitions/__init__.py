@@ -39,8 +39,8 @@ from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
 from . import actions, repairs, retention, rules, webhooks, workers
 from .actions import Audit
-from .backends import backend
-from .orm import ItemRow
+from .backends import ItemRow
+from .choice import backend
 from .retention import Purged
 from .rows import log_lease
 from .webhooks import Claimed, Outcome
