@@ -14,7 +14,7 @@ from django.db import connection
 
 from jobs import transitions
 from jobs.models import WebhookAttempt, WebhookDelivery, WebhookEvent
-from jobs.transitions.webhooks import INTERRUPTED
+from jobs.transitions.webhook_writes import INTERRUPTED
 from jobs.webhooks import delivery
 
 from ..factories import claim, make_batch, make_endpoint, make_worker

@@ -40,9 +40,9 @@ from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
-from . import actions, repairs, workers
-from .outbox import finishing
-from .rows import (
+from .. import workers
+from ..outbox import finishing
+from ..rows import (
     add_tally,
     charge_share,
     group_by,
@@ -52,7 +52,7 @@ from .rows import (
     open_lease,
     rejoin_share,
 )
-from .rules import (
+from ..rules import (
     CLAIM_BATCH_CANDIDATES,
     LEASE_EXPIRED,
     gave_up,
@@ -60,6 +60,7 @@ from .rules import (
     retry_delay,
     truncate_error,
 )
+from .base import Chores, ItemRow
 
 log = logging.getLogger("recall.transitions")
 
@@ -76,7 +77,6 @@ class Candidate:
 # Rows per INSERT when the driver has no COPY (SQLite).
 INSERT_CHUNK = 2_000
 # One item to insert: (source, params, duration_ms or None).
-ItemRow = tuple[str, dict[str, Any], int | None]
 
 
 class OrmBackend:
@@ -84,8 +84,9 @@ class OrmBackend:
 
     name = "orm"
 
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+    def __init__(self, connection: BaseDatabaseWrapper, chores: Chores) -> None:
         self.connection = connection
+        self.chores = chores
         # Several machines share a PostgreSQL server: its clock is the only one
         # they agree on. SQLite is one machine: the process clock is the same.
         self.database_clock = connection.vendor == "postgresql"
@@ -166,7 +167,7 @@ class OrmBackend:
                 now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM, wait=False
             )
         if cancelling:
-            actions.finish_interrupted_cancel(now=now)
+            self.chores.finish_interrupted_cancel(now=now)
         if expired or cancelling:
             candidates = self._claim_plan(now)[2]  # the chores changed them
         candidates = list(candidates)
@@ -257,7 +258,7 @@ class OrmBackend:
                 # it as a repair and try once more.
                 if job is None or attempt == 2:
                     raise
-                repairs.close_stray_leases(job.pk, now=now)
+                self.chores.close_stray_leases(job.pk, now=now)
         return None
 
     def _claim_turn(self, worker: Worker) -> int:

@@ -43,10 +43,11 @@ from jobs.models import Job, JobStatus, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
+from ..rows import log_lease, lost_detail
+from ..rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
 from . import statements
-from .orm import Candidate, ItemRow, OrmBackend
-from .rows import log_lease, lost_detail
-from .rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
+from .base import Chores, ItemRow
+from .orm import Candidate, OrmBackend
 
 # psycopg's default: prepare a statement on its fifth execution (``prepare=True``
 # below prepares ours at once).
@@ -88,8 +89,8 @@ class PostgresBackend(OrmBackend):
 
     name = "postgres"
 
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        super().__init__(connection)
+    def __init__(self, connection: BaseDatabaseWrapper, chores: Chores) -> None:
+        super().__init__(connection, chores)
         self.prepare = settings.RECALL_PREPARED_STATEMENTS
         # _cursor()'s cursor, kept for as long as its database connection lasts.
         self._raw_cursor: psycopg.RawCursor[Any] | None = None
