@@ -18,12 +18,15 @@ from django.db.models import Count, Exists, Min, OuterRef, Q, Subquery, Sum
 from batches.models import Batch, BatchCounter, BatchMinute
 from batches.progress import (
     CHART_WINDOW,
+    RATE_WINDOW,
     BatchState,
     Progress,
     chart_bars,
     count_states,
     minute_floor,
     progress_for_many,
+    throughput_per_minute,
+    window_seconds,
 )
 
 from .models import (
@@ -37,6 +40,7 @@ from .models import (
     Tally,
     Worker,
 )
+from .transitions import rules
 
 # The workers page flags a worker "flaky" when at least this many of its leases
 # expired, and they are at least this share (percent) of its finished leases.
@@ -141,6 +145,26 @@ def oldest_queued_age(now: datetime) -> float:
         .aggregate(oldest=Min("head"))["oldest"]
     )
     return max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
+
+
+def silent_leases(now: datetime) -> int:
+    """Live leases whose worker has not heartbeated for two heartbeat
+    intervals (``rules.silent_after``): shown apart from transcribing. The
+    live leases only (the lease-expiry index holds them)."""
+    return Job.objects.filter(
+        status=JobStatus.LEASED, heartbeat_at__lt=now - rules.silent_after()
+    ).count()
+
+
+def throughput(now: datetime) -> tuple[float, float]:
+    """(items done per minute, over how many seconds), all batches: the batch
+    pages' figure (``batches.progress.throughput_per_minute``) over the same
+    window, the last ``RATE_WINDOW``, or less while every batch is younger."""
+    start = minute_floor(now - RATE_WINDOW)
+    first = Batch.objects.order_by("pk").values_list("created_at", flat=True).first()
+    seconds = window_seconds(now, start, first or now)
+    done = BatchMinute.objects.filter(minute__gte=start).aggregate(n=Sum("done"))["n"]
+    return throughput_per_minute(done or 0, seconds), seconds
 
 
 def leases_past_expiry(now: datetime) -> int:
