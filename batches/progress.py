@@ -107,6 +107,8 @@ def throughput_per_minute(finished: float, seconds: float) -> float:
 
 def window_text(seconds: float) -> str:
     """The window a throughput figure is measured over, in words."""
+    if seconds // 60 == 60:
+        return "last hour"
     return f"last {format_duration(seconds)}"
 
 
