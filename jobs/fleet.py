@@ -260,7 +260,9 @@ def recent_incidents(now: datetime) -> dict[int, int]:
     for worker_id, expires_at, ended_at in Lease.objects.filter(
         end_reason=LeaseEnd.EXPIRED, ended_at__gte=now - FLAKY_WINDOW
     ).values_list("worker", "expires_at", "ended_at"):
-        expiries.setdefault(worker_id, []).append(expires_at or ended_at)
+        moment = expires_at or ended_at
+        if moment is not None:
+            expiries.setdefault(worker_id, []).append(moment)
     apart = rules.lease_duration()
     return {pk: incidents(times, apart) for pk, times in expiries.items()}
 
