@@ -22,7 +22,7 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from batches.intakes import Intake
+from batches.intake_records import Intake
 from jobs.models import JobStatus
 from tests.factories import jobs_of, make_batch, make_user, make_worker
 
