@@ -2,9 +2,10 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from jobs import api, overview, views
+from console.views import api_tokens as token_pages
+from console.views import overview, workers
+from jobs import api
 from operator_api import openapi
-from operator_api import pages as token_pages
 from operator_api import views as operator_api
 
 urlpatterns = [
@@ -38,14 +39,14 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("workers/", views.worker_list, name="worker-list"),
+    path("workers/", workers.worker_list, name="worker-list"),
     path("api-tokens/", token_pages.token_list, name="api-tokens"),
     path(
         "api-tokens/<int:pk>/revoke", token_pages.token_revoke, name="api-token-revoke"
     ),
     path("overview/", overview.overview, name="overview"),
     path("overview/live", overview.overview_live, name="overview-live"),
-    path("", include("batches.urls")),
+    path("", include("console.urls")),
 ]
 
 handler500 = "recall_site.views.server_error"

@@ -119,7 +119,7 @@ def test_pages_render_in_a_fixed_number_of_queries(big, django_assert_max_num_qu
 
 def test_a_big_unfiltered_list_shows_an_estimate_instead_of_counting(big, monkeypatch):
     client, _ = big
-    monkeypatch.setattr("batches.admin_support.ESTIMATE_ABOVE", 1_000)
+    monkeypatch.setattr("console.admin.support.ESTIMATE_ABOVE", 1_000)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE jobs_job")
 

@@ -390,7 +390,9 @@ def test_a_cancel_cut_short_by_its_time_limit_is_finished_by_reconciliation(
     from jobs.reconcile import reconcile
 
     settings.RECALL_CHUNK_SIZE = 5
-    monkeypatch.setattr("batches.views.ACTION_SECONDS", 0)  # no time for any chunk
+    monkeypatch.setattr(
+        "console.views.batches.ACTION_SECONDS", 0
+    )  # no time for any chunk
     batch = make_batch(12)
     client = client_for(operator)
 

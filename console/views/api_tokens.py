@@ -12,9 +12,8 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from jobs import transitions
-
-from . import tokens
-from .models import MAX_EXPIRY_DAYS, MAX_LABEL_CHARS, ApiToken
+from operator_api import tokens
+from operator_api.models import MAX_EXPIRY_DAYS, MAX_LABEL_CHARS, ApiToken
 
 
 class NewTokenForm(forms.Form):

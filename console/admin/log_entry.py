@@ -6,7 +6,7 @@ from django.contrib import admin
 from django.contrib.admin.models import LogEntry
 from django.utils.html import format_html
 
-from batches.admin_support import BigTableAdmin
+from console.admin.support import BigTableAdmin
 
 
 @admin.register(LogEntry)

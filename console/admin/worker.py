@@ -14,7 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
-from batches.admin_support import (
+from console.admin.support import (
     SAMPLE_SIZE,
     Confirmation,
     changelist_link,

@@ -6,7 +6,7 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from batches.admin_support import BigTableAdmin, id_search, link_to_id
+from console.admin.support import BigTableAdmin, id_search, link_to_id
 from jobs.models import Job, Lease
 
 

@@ -1,11 +1,13 @@
+"""The operator pages' forms: a new batch, its share of the workers, item filters."""
+
 from __future__ import annotations
 
 from django import forms
 from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 
-from .manifests import MAX_NAME_CHARS
-from .models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
+from batches.manifests import MAX_NAME_CHARS
+from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 
 
 class ShareFields(forms.Form):

@@ -13,7 +13,19 @@ from django.urls import reverse
 from django.utils.html import format_html
 from django.utils.text import Truncator
 
-from batches.admin_support import (
+from batches.models import Batch, BatchItem
+from batches.numbers import whole_number
+from console.admin.job_actions import (
+    ACTION_SECONDS,
+    CANCEL_QUEUED,
+    FORCE_RECLAIM,
+    REPAIRS_SHOWN,
+    REPORT_LABELS,
+    REQUEUE_FAILED,
+    BulkAction,
+    jobs_text,
+)
+from console.admin.support import (
     SAMPLE_SIZE,
     BatchFilter,
     BigTableAdmin,
@@ -30,22 +42,9 @@ from batches.admin_support import (
     render_confirmation,
     selects_across,
 )
-from batches.models import Batch, BatchItem
-from batches.numbers import whole_number
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease
 from jobs.sweep import sweep
-
-from .job_actions import (
-    ACTION_SECONDS,
-    CANCEL_QUEUED,
-    FORCE_RECLAIM,
-    REPAIRS_SHOWN,
-    REPORT_LABELS,
-    REQUEUE_FAILED,
-    BulkAction,
-    jobs_text,
-)
 
 # --- Filters ------------------------------------------------------------------
 

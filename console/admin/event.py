@@ -7,8 +7,8 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.text import Truncator
 
-from batches.admin_support import BatchFilter, BigTableAdmin, id_search, link_to_id
 from batches.models import Batch
+from console.admin.support import BatchFilter, BigTableAdmin, id_search, link_to_id
 from jobs.models import Event, Job
 
 

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import views
+from console.views import batches as views
 
 urlpatterns = [
     path("", views.batch_list, name="batch-list"),

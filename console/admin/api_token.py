@@ -12,11 +12,10 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from batches.admin_support import log_changes
+from console.admin.support import log_changes
 from jobs import transitions
-
-from . import tokens
-from .models import ApiToken
+from operator_api import tokens
+from operator_api.models import ApiToken
 
 
 @admin.register(ApiToken)

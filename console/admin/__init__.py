@@ -1,4 +1,6 @@
-"""The Django admin for jobs, the lease ledger, workers and the event log.
+"""The Django admin: batches and items, jobs, the lease ledger, workers, the
+event log, webhooks and API tokens (models of the batches, jobs and
+operator_api apps, registered from here).
 
 Admins inspect and intervene here, and the admin never becomes a way to break
 the invariants the transitions keep:
@@ -18,9 +20,27 @@ table (``EstimatedCountPaginator``), related rows fetched in the page's query,
 filters that run no query or a tiny one, sorting only by id, search by id on
 the primary key index. One module per model (``webhook`` holds the webhook
 endpoints, events and attempts); ``job_actions`` says what each bulk job
-action does.
+action does; ``support`` holds the building blocks the modules share.
 """
 
-from . import event, job, lease, log_entry, webhook, worker
+from console.admin import (
+    api_token,
+    batch,
+    event,
+    job,
+    lease,
+    log_entry,
+    webhook,
+    worker,
+)
 
-__all__ = ["event", "job", "lease", "log_entry", "webhook", "worker"]
+__all__ = [
+    "api_token",
+    "batch",
+    "event",
+    "job",
+    "lease",
+    "log_entry",
+    "webhook",
+    "worker",
+]

@@ -18,12 +18,11 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from batches.live import fragment
 from batches.progress import BatchState, chart_geometry, segments
 from batches.roles import viewer_required
-
-from . import fleet, transitions
-from .models import item_status_for
+from console.live import fragment
+from jobs import fleet, transitions
+from jobs.models import item_status_for
 
 # Open batches listed; the batch list has them all.
 OPEN_BATCHES_SHOWN = 20

@@ -34,6 +34,24 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
+from batches.background import stale_after, start_intake
+from batches.intake_records import Intake, IntakeStatus
+from batches.manifests import LineError, ManifestInvalid, create_batch
+from batches.models import Batch, BatchItem, ItemStatus
+from batches.numbers import MAX_ID, whole_number
+from batches.progress import (
+    BatchState,
+    chart_geometry,
+    format_duration,
+    in_state,
+    progress_for,
+    progress_for_many,
+)
+from batches.roles import viewer_required
+from batches.streaming import EXPORTS, export_response
+from console.forms import ItemFilterForm, NewBatchForm, ShareForm
+from console.live import fragment
+from console.uploads import ManifestSizeLimit, ManifestTooLarge
 from jobs import transitions
 from jobs.models import (
     DeliveryStatus,
@@ -43,25 +61,6 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
-
-from .background import stale_after, start_intake
-from .forms import ItemFilterForm, NewBatchForm, ShareForm
-from .intake_records import Intake, IntakeStatus
-from .live import fragment
-from .manifests import LineError, ManifestInvalid, create_batch
-from .models import Batch, BatchItem, ItemStatus
-from .numbers import MAX_ID, whole_number
-from .progress import (
-    BatchState,
-    chart_geometry,
-    format_duration,
-    in_state,
-    progress_for,
-    progress_for_many,
-)
-from .roles import viewer_required
-from .streaming import EXPORTS, export_response
-from .uploads import ManifestSizeLimit, ManifestTooLarge
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25

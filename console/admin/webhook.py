@@ -18,7 +18,8 @@ from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 from django.utils.text import Truncator
 
-from batches.admin_support import (
+from batches.models import Batch
+from console.admin.support import (
     SAMPLE_SIZE,
     BatchFilter,
     BigTableAdmin,
@@ -31,7 +32,6 @@ from batches.admin_support import (
     log_changes,
     render_confirmation,
 )
-from batches.models import Batch
 from jobs import transitions
 from jobs.models import (
     SUBSCRIBABLE_EVENTS,

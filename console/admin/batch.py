@@ -31,19 +31,8 @@ from django.urls import path
 from django.utils.html import format_html
 from django.utils.text import Truncator
 
-from jobs import transitions
-from jobs.models import Event, Job
-
-from .admin_support import (
-    BatchFilter,
-    BigTableAdmin,
-    changelist_link,
-    id_search,
-    link_to_id,
-)
-from .live import fragment
-from .models import Batch, BatchItem
-from .progress import (
+from batches.models import Batch, BatchItem
+from batches.progress import (
     BatchState,
     Progress,
     format_duration,
@@ -51,6 +40,16 @@ from .progress import (
     progress_for,
     progress_for_many,
 )
+from console.admin.support import (
+    BatchFilter,
+    BigTableAdmin,
+    changelist_link,
+    id_search,
+    link_to_id,
+)
+from console.live import fragment
+from jobs import transitions
+from jobs.models import Event, Job
 
 
 class StateFilter(admin.SimpleListFilter):
