@@ -1,9 +1,9 @@
 """The long-poll waker's probe: how many parked claims may find work now.
 
-While claims are parked (``jobs/waiter.py``, ``recall_site/gunicorn_worker.py``),
+While claims are parked (``api/waiter.py``, ``recall_site/gunicorn_worker.py``),
 one process of the server runs this every ``RECALL_LONG_POLL_PROBE_SECONDS``
 and shares the answer; each process then claims for that many of its own
-(``jobs.api.claims_for_waiting``).
+(``api.worker_views.claims_for_waiting``).
 """
 
 from __future__ import annotations

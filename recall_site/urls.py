@@ -2,18 +2,20 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
+from api import openapi
+from api import operator_views as operator_api
+from api import worker_views as worker_api
 from console.views import api_tokens as token_pages
 from console.views import overview, workers
-from jobs import api
-from operator_api import openapi
-from operator_api import views as operator_api
 
 urlpatterns = [
-    path("api/v1/claim", api.claim, name="api-claim"),
-    path("api/v1/jobs/<int:job_id>/heartbeat", api.heartbeat, name="api-heartbeat"),
-    path("api/v1/jobs/<int:job_id>/complete", api.complete, name="api-complete"),
-    path("api/v1/jobs/<int:job_id>/fail", api.fail, name="api-fail"),
-    path("api/v1/jobs/<int:job_id>/release", api.release, name="api-release"),
+    path("api/v1/claim", worker_api.claim, name="api-claim"),
+    path(
+        "api/v1/jobs/<int:job_id>/heartbeat", worker_api.heartbeat, name="api-heartbeat"
+    ),
+    path("api/v1/jobs/<int:job_id>/complete", worker_api.complete, name="api-complete"),
+    path("api/v1/jobs/<int:job_id>/fail", worker_api.fail, name="api-fail"),
+    path("api/v1/jobs/<int:job_id>/release", worker_api.release, name="api-release"),
     path("api/v1/openapi.json", openapi.openapi, name="api-openapi"),
     path("api/v1/batches", operator_api.batches, name="operator-api-batches"),
     path(
@@ -35,7 +37,7 @@ urlpatterns = [
     path("api/v1/batches/<int:batch_id>/resume", operator_api.batch_resume),
     path("api/v1/batches/<int:batch_id>/cancel", operator_api.batch_cancel),
     path("api/v1/batches/<int:batch_id>/retry", operator_api.batch_retry),
-    re_path(r"^api/", api.not_found),
+    re_path(r"^api/", worker_api.not_found),
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),

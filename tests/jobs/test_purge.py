@@ -18,7 +18,6 @@ from batches.exports import jsonl_lines
 from batches.intake_records import Intake
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
 from jobs import fleet, transitions
-from jobs.metrics import render
 from jobs.models import (
     DeliveryStatus,
     Event,
@@ -30,6 +29,7 @@ from jobs.models import (
 )
 from jobs.retention import purge, purgeable
 from jobs.sweep import sweep
+from recall_site.metrics import render
 
 from ..factories import (
     T0,

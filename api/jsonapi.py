@@ -1,5 +1,5 @@
-"""JSON API plumbing shared by the worker API (``jobs.api``) and the operator
-API (``operator_api.views``): one error shape, ``{"error": <code>, "detail":
+"""JSON API plumbing shared by the worker API (``api.worker_views``) and the operator
+API (``api.operator_views``): one error shape, ``{"error": <code>, "detail":
 <sentence>}``, and one careful reading of a JSON body (size limit, UTF-8, at
 most ``MAX_JSON_DEPTH`` levels of nesting, no NUL, no lone surrogates, finite
 numbers). Bad input is a 4xx, never a 500.

@@ -5,7 +5,7 @@ One worker token must not be able to take the server for itself. The worker
 API refuses a worker's request beyond ``RECALL_WORKER_RATE_PER_SECOND`` (a
 token bucket holding up to ``RECALL_WORKER_RATE_BURST`` requests: 429
 ``rate_limited``), and lets at most ``RECALL_MAX_WAITING_CLAIMS_PER_WORKER``
-of its claims wait (``jobs/waiter.py``: one more answers at once, as a claim
+of its claims wait (``api/waiter.py``: one more answers at once, as a claim
 without ``wait_seconds``). Counted per process, either limit would be as many
 times larger as the server has processes, so the counts live in a small table
 of shared memory: an anonymous ``MAP_SHARED`` mapping which gunicorn's master

@@ -7,10 +7,11 @@ Two kinds of figures, served together:
   ``DatabaseCollector`` at scrape time, from a registry of its own that is not
   multiprocess: every process of every web node answers the same.
 * **Per-process request metrics** of the worker API (``recall_api_requests``,
-  ``recall_claim_seconds``) are counted where the requests are served. Under
-  gunicorn they are prometheus_client multiprocess metrics, merged from every
-  worker's files into the same response (``metric_files.py``); a process
-  serving alone (tests, ``runserver``) reports its own.
+  ``recall_claim_seconds``) are counted where the requests are served
+  (``api/request_metrics.py``). Under gunicorn they are prometheus_client
+  multiprocess metrics, merged from every worker's files into the same
+  response (``metric_files.py``); a process serving alone (tests,
+  ``runserver``) reports its own.
 
 Off (404) unless ``RECALL_METRICS_TOKEN`` is set; then the scraper must send
 ``Authorization: Bearer <token>``.
@@ -18,19 +19,15 @@ Off (404) unless ``RECALL_METRICS_TOKEN`` is set; then the scraper must send
 
 from __future__ import annotations
 
-import functools
 import hmac
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property, partial, wraps
+from functools import cached_property
 
 from django.conf import settings
 from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -39,12 +36,11 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from api.request_metrics import request_metrics
 from batches.progress import BatchState
-
-from . import fleet, metric_files, transitions
-from .exceptions import DATABASE_DOWN
-from .models import JobStatus, RepairKind
-from .waiter import WAITER_KEY, Waiter
+from jobs import fleet, transitions
+from jobs.models import JobStatus, RepairKind
+from recall_site import metric_files
 
 # --- Figures from the database ------------------------------------------------------
 #
@@ -207,100 +203,6 @@ class DatabaseCollector:
 
     def describe(self) -> Iterable[Metric]:
         return ()  # registering must not query the database
-
-
-# --- Request metrics of the worker API ---------------------------------------------
-
-# Server time of a claim: about a millisecond when idle, up to a few hundred
-# under a sweep of thousands of expired leases (BENCHMARKS.md).
-CLAIM_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-
-
-@dataclass(frozen=True)
-class RequestMetrics:
-    requests: Counter
-    claim_seconds: Histogram
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self.requests.collect()
-        yield from self.claim_seconds.collect()
-
-
-_request_metrics: RequestMetrics | None = None
-_request_metrics_lock = threading.Lock()
-
-
-def request_metrics() -> RequestMetrics:
-    """This process's request metrics, created on first use: in a gunicorn
-    worker, not in the master, and never by merely importing this module (a
-    multiprocess metric without labels opens its file when it is made)."""
-    global _request_metrics
-    with _request_metrics_lock:
-        if _request_metrics is None:
-            _request_metrics = RequestMetrics(
-                requests=Counter(
-                    "recall_api_requests",
-                    "Worker API requests answered, by endpoint and HTTP status.",
-                    ["endpoint", "status"],
-                    registry=None,
-                ),
-                claim_seconds=Histogram(
-                    "recall_claim_seconds",
-                    "Server time of a claim request (authentication, claim, "
-                    "response), empty queue included.",
-                    buckets=CLAIM_BUCKETS,
-                    registry=None,
-                ),
-            )
-        return _request_metrics
-
-
-def observed(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """Count a worker API view's requests by endpoint (the view's name) and
-    status, and time claims. A lost database counts as the 503 it becomes
-    (DatabaseUnavailableMiddleware). A claim the view parked (long-poll) is not
-    answered yet: the server counts it when it sends the kept 204
-    (``Waiter.on_answer``), or ``claims_for_waiting`` when it sends a 200."""
-    endpoint = view.__name__
-
-    @wraps(view)
-    def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
-        started = time.perf_counter()
-        status = 500
-        try:
-            response = view(request, *args, **kwargs)
-            status = response.status_code
-            return response
-        except DATABASE_DOWN:
-            status = 503
-            raise
-        finally:
-            count = partial(
-                count_request, endpoint, status, time.perf_counter() - started
-            )
-            waiter = request.META.get(WAITER_KEY)
-            if isinstance(waiter, Waiter) and waiter.parked:
-                waiter.on_answer = count
-            else:
-                count()
-
-    return wrapper
-
-
-def count_request(endpoint: str, status: int, seconds: float) -> None:
-    """Count one answered worker API request (and time it, if a claim)."""
-    metrics = request_metrics()
-    _requests_counter(metrics, endpoint, status).inc()
-    if endpoint == "claim":
-        metrics.claim_seconds.observe(seconds)
-
-
-@functools.cache
-def _requests_counter(metrics: RequestMetrics, endpoint: str, status: int) -> Counter:
-    """``recall_api_requests`` of one endpoint and status, looked up once:
-    ``labels()`` checks and joins the labels and takes a lock on every call.
-    A handful of endpoints and statuses: the cache stays small."""
-    return metrics.requests.labels(endpoint, str(status))
 
 
 # --- Exposition -------------------------------------------------------------------

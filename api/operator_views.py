@@ -4,7 +4,7 @@ Every endpoint is authenticated by ``Authorization: Bearer <API token>`` (a
 user's personal token, never a worker's and never a session cookie, so CSRF
 does not apply) and checks the token's user's permission: the same permission
 the operator UI checks for the same thing. Errors are ``{"error", "detail"}``
-as in the worker API (``jobs.jsonapi``). Views parse, call what the UI calls
+as in the worker API (``api.jsonapi``). Views parse, call what the UI calls
 (intake, transitions, progress, exports) and render.
 """
 
@@ -22,6 +22,8 @@ from django.http.response import HttpResponseBase
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 
+from api.jsonapi import ApiError, bad_request, field, json_object_body
+from api.worker_views import MAX_DB_ID
 from batches.manifests import (
     MAX_REPORTED_ERRORS,
     ItemsInvalid,
@@ -33,13 +35,10 @@ from batches.numbers import whole_number
 from batches.progress import BatchState, in_state, progress_for, progress_for_many
 from batches.streaming import EXPORTS, export_response
 from jobs import transitions
-from jobs.api import MAX_DB_ID
-from jobs.jsonapi import ApiError, bad_request, field, json_object_body
 from jobs.models import Job
-
-from . import tokens
-from .idempotency import IdempotencyConflict, body_hash, submit_once
-from .models import MAX_IDEMPOTENCY_KEY_CHARS
+from operator_api import tokens
+from operator_api.idempotency import IdempotencyConflict, body_hash, submit_once
+from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
 
 PAGE_SIZE = 100
 # What the token's user needs, by kind of request (the operator UI's rules).

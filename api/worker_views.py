@@ -23,11 +23,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
-from batches.numbers import is_number, shown
-
-from . import transitions, worker_limits
-from .exceptions import LeaseLost, TooManyLeases
-from .jsonapi import (
+from api import worker_limits
+from api.jsonapi import (
     ApiError,
     bad_request,
     error_response,
@@ -35,12 +32,15 @@ from .jsonapi import (
     json_object_body,
     json_type,
 )
-from .jsonapi import _check_values as _check_values  # the reference worker's tests
-from .metrics import count_request, observed
-from .models import Job, Worker
-from .tokens import MAX_TOKEN_LENGTH
-from .transitions.rules import heartbeat_interval, max_leases
-from .waiter import MAX_WAIT_SECONDS, WAITER_KEY, ClaimRequest, Waiter
+from api.jsonapi import _check_values as _check_values  # the reference worker's tests
+from api.request_metrics import count_request, observed
+from api.waiter import MAX_WAIT_SECONDS, WAITER_KEY, ClaimRequest, Waiter
+from batches.numbers import is_number, shown
+from jobs import transitions
+from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.models import Job, Worker
+from jobs.tokens import MAX_TOKEN_LENGTH
+from jobs.transitions.rules import heartbeat_interval, max_leases
 
 log = logging.getLogger("recall.api")
 
@@ -122,7 +122,7 @@ def authenticate(request: HttpRequest) -> tuple[Worker, datetime]:
 def throttle(worker: Worker) -> None:
     """Refuse a request of a worker past its rate (``RECALL_WORKER_RATE_PER_SECOND``
     in bursts of up to ``RECALL_WORKER_RATE_BURST``, counted by the whole
-    server: ``jobs/worker_limits.py``) with 429 ``rate_limited``, before it
+    server: ``api/worker_limits.py``) with 429 ``rate_limited``, before it
     costs more than its authentication."""
     rate = settings.RECALL_WORKER_RATE_PER_SECOND
     burst = settings.RECALL_WORKER_RATE_BURST
@@ -209,7 +209,7 @@ def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpRespo
     if worker.live_leases >= cap:
         raise TooManyLeases(worker.name, worker.live_leases, cap)
     # Asked to wait and the server can hold the request without a thread
-    # (jobs/waiter.py): it keeps the 204 and, when work may have come, claims
+    # (api/waiter.py): it keeps the 204 and, when work may have come, claims
     # again with claims_for_waiting (below), or sends the 204 when the wait is
     # over. If its probe found nothing a moment ago, it waits for the next. A
     # worker with RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims waiting already

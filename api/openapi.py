@@ -1,5 +1,5 @@
 """OpenAPI 3 description of Recall's API v1, served at /api/v1/openapi.json: the
-worker API's (``jobs.openapi``, tag ``worker``) and the operator API's paths
+worker API's (``api.worker_openapi``, tag ``worker``) and the operator API's paths
 (tag ``operator``) in one document.
 
 Like the worker API's, it is the contract the operator API is fuzzed against
@@ -14,12 +14,11 @@ from typing import Any
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
+from api import worker_openapi
+from api.operator_views import MAX_SEARCH_CHARS, PAGE_SIZE
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from batches.progress import BatchState
-from jobs import openapi as worker_openapi
-
-from .models import MAX_IDEMPOTENCY_KEY_CHARS
-from .views import MAX_SEARCH_CHARS, PAGE_SIZE
+from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
 
 SECURITY: list[dict[str, list[str]]] = [{"apiToken": []}]
 

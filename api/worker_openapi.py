@@ -1,5 +1,5 @@
 """OpenAPI 3 description of the worker API v1 (tag ``worker``). Served at
-/api/v1/openapi.json together with the operator API's (``operator_api.openapi``
+/api/v1/openapi.json together with the operator API's (``api.openapi``
 adds its paths, tagged ``operator``).
 
 It is the contract the API is fuzzed against (tests/jobs/test_api_fuzz.py):

@@ -7,7 +7,7 @@ gthread worker in ``recall_site/gunicorn_worker.py``), hands the request back
 to it with ``Waiter.park``. The server then holds the connection in its event
 loop (no thread, no database connection) and, when its probe
 (``jobs.longpoll.claimable_jobs``, one per interval for the whole server) says
-a job may be claimable, claims for it with ``jobs.api.claims_for_waiting``;
+a job may be claimable, claims for it with ``api.worker_views.claims_for_waiting``;
 or it answers the 204 it kept when the wait is over. A server without
 a waiter (``runserver``, the sync worker, the test client) answers at once, as
 before. A parked claim keeps its parsed parameters (``ClaimRequest``), never
@@ -16,7 +16,7 @@ waiting held gigabytes. No Django imports: gunicorn's master loads this with
 the worker class.
 
 A worker may have at most ``RECALL_MAX_WAITING_CLAIMS_PER_WORKER`` claims
-waiting on the whole server (``jobs/worker_limits.py``): ``park`` counts a
+waiting on the whole server (``api/worker_limits.py``): ``park`` counts a
 claim against its worker when it first parks, and the server calls ``done``
 once it is answered or its client is gone, so each waiting claim counts once,
 from the moment it parks to its answer (a woken claim parked again, or run
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import worker_limits
+from api import worker_limits
 
 WAITER_KEY = "recall.waiter"
 MAX_WAIT_SECONDS = 60
