@@ -114,8 +114,8 @@ def on_starting(server):
     django.setup()
     from django.db import connections
 
+    from engine.sweep import sweep
     from jobs.exceptions import DATABASE_DOWN
-    from jobs.sweep import sweep
 
     try:
         report = sweep(full=STARTUP_SWEEP == "full")

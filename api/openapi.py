@@ -17,7 +17,7 @@ from django.views.decorators.http import require_GET
 from api import worker_openapi
 from api.operator_views import MAX_SEARCH_CHARS, PAGE_SIZE
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
-from batches.progress import BatchState
+from engine.progress import BatchState
 from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
 
 SECURITY: list[dict[str, list[str]]] = [{"apiToken": []}]

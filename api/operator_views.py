@@ -24,16 +24,16 @@ from django.views.decorators.csrf import csrf_exempt
 
 from api.jsonapi import ApiError, bad_request, field, json_object_body
 from api.worker_views import MAX_DB_ID
-from batches.manifests import (
+from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, Batch, BatchItem, ItemStatus
+from batches.numbers import whole_number
+from batches.streaming import EXPORTS, export_response
+from engine.manifests import (
     MAX_REPORTED_ERRORS,
     ItemsInvalid,
     ManifestInvalid,
     create_batch_from_items,
 )
-from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, Batch, BatchItem, ItemStatus
-from batches.numbers import whole_number
-from batches.progress import BatchState, in_state, progress_for, progress_for_many
-from batches.streaming import EXPORTS, export_response
+from engine.progress import BatchState, in_state, progress_for, progress_for_many
 from jobs import transitions
 from jobs.models import Job
 from operator_api import tokens

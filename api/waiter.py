@@ -6,7 +6,7 @@ the server offered a ``Waiter`` (``request.META[WAITER_KEY]``, set by the
 gthread worker in ``recall_site/gunicorn_worker.py``), hands the request back
 to it with ``Waiter.park``. The server then holds the connection in its event
 loop (no thread, no database connection) and, when its probe
-(``jobs.longpoll.claimable_jobs``, one per interval for the whole server) says
+(``engine.longpoll.claimable_jobs``, one per interval for the whole server) says
 a job may be claimable, claims for it with ``api.worker_views.claims_for_waiting``;
 or it answers the 204 it kept when the wait is over. A server without
 a waiter (``runserver``, the sync worker, the test client) answers at once, as

@@ -6,8 +6,8 @@ from django import forms
 from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 
-from batches.manifests import MAX_NAME_CHARS
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
+from engine.manifests import MAX_NAME_CHARS
 
 
 class ShareFields(forms.Form):

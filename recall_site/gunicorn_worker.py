@@ -1225,7 +1225,7 @@ class ThreadWorker(StockThreadWorker):
     def _ask_database(self) -> int | None:
         from django.db import close_old_connections
 
-        from jobs.longpoll import claimable_jobs
+        from engine.longpoll import claimable_jobs
 
         close_old_connections()
         try:

@@ -37,8 +37,9 @@ from prometheus_client.metrics_core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from api.request_metrics import request_metrics
-from batches.progress import BatchState
-from jobs import fleet, transitions
+from engine import fleet
+from engine.progress import BatchState
+from jobs import transitions
 from jobs.models import JobStatus, RepairKind
 from recall_site import metric_files
 

@@ -83,6 +83,7 @@ INSTALLED_APPS = [
     "batches",
     "jobs",
     "operator_api",
+    "engine",
     "api",
     "console",
 ]

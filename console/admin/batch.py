@@ -9,7 +9,7 @@ the batch instead). Only a batch's name and its share of the workers (priority,
 weight, max in flight) are editable, the share through its transition.
 
 Progress is the operator UI's: the same state, bar, counts, throughput and ETA
-(``batches.progress``, the same template fragments), refreshed in place by the
+(``engine.progress``, the same template fragments), refreshed in place by the
 same script (static/js/recall.js) with the same control, in the admin's colours.
 """
 
@@ -32,14 +32,6 @@ from django.utils.html import format_html
 from django.utils.text import Truncator
 
 from batches.models import Batch, BatchItem
-from batches.progress import (
-    BatchState,
-    Progress,
-    format_duration,
-    in_state,
-    progress_for,
-    progress_for_many,
-)
 from console.admin.support import (
     BatchFilter,
     BigTableAdmin,
@@ -48,6 +40,14 @@ from console.admin.support import (
     link_to_id,
 )
 from console.live import fragment
+from engine.progress import (
+    BatchState,
+    Progress,
+    format_duration,
+    in_state,
+    progress_for,
+    progress_for_many,
+)
 from jobs import transitions
 from jobs.models import Event, Job
 

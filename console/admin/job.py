@@ -42,9 +42,9 @@ from console.admin.support import (
     render_confirmation,
     selects_across,
 )
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease
-from jobs.sweep import sweep
 
 # --- Filters ------------------------------------------------------------------
 

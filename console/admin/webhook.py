@@ -32,6 +32,7 @@ from console.admin.support import (
     log_changes,
     render_confirmation,
 )
+from engine.webhooks.endpoints import EndpointInvalid, check_url, parse_events
 from jobs import transitions
 from jobs.models import (
     SUBSCRIBABLE_EVENTS,
@@ -41,7 +42,6 @@ from jobs.models import (
     WebhookEvent,
     url_origin,
 )
-from jobs.webhooks.endpoints import EndpointInvalid, check_url, parse_events
 
 # The secret of an endpoint just added, from save_model to response_add of the
 # same request (never stored anywhere else in clear).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django import template
 from django.http import QueryDict
 
-from batches.progress import format_duration
+from engine.progress import format_duration
 
 register = template.Library()
 

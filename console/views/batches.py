@@ -34,12 +34,17 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
-from batches.background import stale_after, start_intake
 from batches.intake_records import Intake, IntakeStatus
-from batches.manifests import LineError, ManifestInvalid, create_batch
 from batches.models import Batch, BatchItem, ItemStatus
 from batches.numbers import MAX_ID, whole_number
-from batches.progress import (
+from batches.roles import viewer_required
+from batches.streaming import EXPORTS, export_response
+from console.forms import ItemFilterForm, NewBatchForm, ShareForm
+from console.live import fragment
+from console.uploads import ManifestSizeLimit, ManifestTooLarge
+from engine.background_intake import stale_after, start_intake
+from engine.manifests import LineError, ManifestInvalid, create_batch
+from engine.progress import (
     BatchState,
     chart_geometry,
     format_duration,
@@ -47,11 +52,6 @@ from batches.progress import (
     progress_for,
     progress_for_many,
 )
-from batches.roles import viewer_required
-from batches.streaming import EXPORTS, export_response
-from console.forms import ItemFilterForm, NewBatchForm, ShareForm
-from console.live import fragment
-from console.uploads import ManifestSizeLimit, ManifestTooLarge
 from jobs import transitions
 from jobs.models import (
     DeliveryStatus,

@@ -3,8 +3,8 @@
 One screen for the fleet: items by state, leases in flight, the oldest
 claimable job, throughput over the last hour, leases that ended badly and
 repairs, workers and the flaky ones, the open batches with their bars and
-ETAs, and the sweeper. The figures are the ones /metrics reports (jobs.fleet)
-and the batch pages show (batches.progress), read at the database's time; the
+ETAs, and the sweeper. The figures are the ones /metrics reports (engine.fleet)
+and the batch pages show (engine.progress), read at the database's time; the
 live region refreshes like the batch pages' do.
 """
 
@@ -18,10 +18,11 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from batches.progress import BatchState, chart_geometry, segments
 from batches.roles import viewer_required
 from console.live import fragment
-from jobs import fleet, transitions
+from engine import fleet
+from engine.progress import BatchState, chart_geometry, segments
+from jobs import transitions
 from jobs.models import item_status_for
 
 # Open batches listed; the batch list has them all.

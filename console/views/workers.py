@@ -9,8 +9,8 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from batches.roles import viewer_required
+from engine.fleet import FLAKY_MIN_EXPIRED, FLAKY_SHARE, expired_share, is_flaky
 from jobs import transitions
-from jobs.fleet import FLAKY_MIN_EXPIRED, FLAKY_SHARE, expired_share, is_flaky
 from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
 
 

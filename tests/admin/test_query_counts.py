@@ -65,7 +65,7 @@ def big(staff):
 # what a page of one does.
 MAX_QUERIES = 9
 # The batch list also reads its rows' progress, as the operator UI's list does
-# (batches.progress.progress_for_many): four queries for the whole page, and the
+# (engine.progress.progress_for_many): four queries for the whole page, and the
 # time they are read at, from the database's clock on PostgreSQL: one more.
 PAGE_PROGRESS_QUERIES = 5
 

@@ -21,12 +21,12 @@ import zipfile
 from urllib.parse import urlencode
 
 import pytest
+from batches.tasks import run_intake
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import Client
 
-from batches import background
 from batches.intake_records import Intake
 from batches.json_limits import (
     MAX_JSON_DEPTH,
@@ -35,7 +35,7 @@ from batches.json_limits import (
 )
 from batches.models import Batch, BatchItem
 from batches.numbers import whole_number
-from batches.tasks import run_intake
+from engine import background_intake as background
 from jobs import transitions
 from jobs.models import Job, JobStatus, WebhookEvent
 from operator_api import tokens

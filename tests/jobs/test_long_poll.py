@@ -14,8 +14,8 @@ from django.utils import timezone
 
 from api.waiter import WAITER_KEY, ClaimRequest, Waiter
 from api.worker_views import claims_for_waiting
+from engine.longpoll import claimable_jobs
 from jobs import transitions
-from jobs.longpoll import claimable_jobs
 from jobs.models import Job, JobStatus
 
 from ..factories import T0, claim, jobs_of, later, make_batch, make_worker

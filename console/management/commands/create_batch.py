@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from batches.manifests import ManifestInvalid, create_batch, file_lines
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT
 from batches.numbers import whole_number
+from engine.manifests import ManifestInvalid, create_batch, file_lines
 
 
 class Command(BaseCommand):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from jobs.webhooks.endpoints import EndpointInvalid, create_endpoint
+from engine.webhooks.endpoints import EndpointInvalid, create_endpoint
 
 
 class Command(BaseCommand):

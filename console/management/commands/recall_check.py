@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand
 
-from jobs.checks import find_violations
+from engine.checks import find_violations
 
 
 class Command(BaseCommand):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from batches.archive import ArchiveRefused
-from jobs.retention import PurgeReport, purge
+from engine.archive import ArchiveRefused
+from engine.retention import PurgeReport, purge
 
 
 def days(value: str) -> float:

@@ -4,7 +4,7 @@ import json
 
 from django.core.management.base import BaseCommand
 
-from jobs.sweep import sweep
+from engine.sweep import sweep
 
 
 class Command(BaseCommand):

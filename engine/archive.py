@@ -32,10 +32,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from batches.exports import CHUNK, jsonl_lines
+from batches.models import Batch, BatchItem
 from jobs.models import Lease
-
-from .exports import CHUNK, jsonl_lines
-from .models import Batch, BatchItem
 
 READ_CHUNK = 1 << 20
 

@@ -24,11 +24,10 @@ from itertools import chain
 
 from django.conf import settings
 
+from batches.models import Batch
+from batches.numbers import is_number, shown
 from jobs import transitions
 from jobs.transitions import ItemRow
-
-from .models import Batch
-from .numbers import is_number, shown
 
 MAX_SOURCE_CHARS = 4096
 MAX_PARAM_CHARS = 10_000

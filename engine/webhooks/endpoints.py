@@ -1,7 +1,7 @@
 """Creating webhook endpoints: the checks every door applies first.
 
 ``manage.py create_webhook`` and the admin both create endpoints here: the URL
-must be a destination Recall may send to (``jobs.webhooks.destinations``, DNS resolved
+must be a destination Recall may send to (``engine.webhooks.destinations``, DNS resolved
 now) and the event types known; then the transition creates the endpoint and
 its secret, which the caller shows once.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .. import transitions
-from ..models import DEFAULT_EVENTS, SUBSCRIBABLE_EVENTS, WebhookEndpoint
-from .destinations import DestinationRefused, resolve
+from engine.webhooks.destinations import DestinationRefused, resolve
+from jobs import transitions
+from jobs.models import DEFAULT_EVENTS, SUBSCRIBABLE_EVENTS, WebhookEndpoint
 
 
 class EndpointInvalid(ValueError):

@@ -1,7 +1,7 @@
 """The sweep: reclaim expired leases, reconcile, settle finished batches (and,
 with ``RECALL_RETENTION_DAYS``, purge a bounded share of old ones).
 
-One function serves the django-q2 schedule (``jobs.tasks.sweep``), the
+One function serves the django-q2 schedule (``engine.tasks.sweep``), the
 ``recall_sweep`` command and start-up. It is safe to run several at once:
 reclaiming locks jobs with SKIP LOCKED, so no lease is reclaimed twice, and the
 reconcile part runs under a lock of its own (a lease on ``SweepState``, timed
@@ -21,10 +21,10 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q
 
-from . import transitions
-from .models import SweepState
-from .reconcile import reconcile, sweep_state
-from .retention import purge
+from engine.reconcile import reconcile, sweep_state
+from engine.retention import purge
+from jobs import transitions
+from jobs.models import SweepState
 
 log = logging.getLogger("recall.sweep")
 

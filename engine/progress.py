@@ -28,9 +28,8 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
+from batches.models import Batch, BatchCounter, BatchMinute, ItemStatus
 from jobs.models import Job, JobStatus
-
-from .models import Batch, BatchCounter, BatchMinute, ItemStatus
 
 # The ETA's rate is measured over this recent window.
 RATE_WINDOW = timedelta(minutes=10)

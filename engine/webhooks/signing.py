@@ -12,7 +12,7 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
-from .keys import signing_key
+from jobs.webhook_keys import signing_key
 
 
 def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:

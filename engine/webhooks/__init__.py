@@ -7,7 +7,8 @@ endpoints and records attempts). This package does the rest:
 
 * ``destinations``: the URL and address rules (no SSRF);
 * ``endpoints``: creating an endpoint, the checks every door applies first;
-* ``keys``: secrets, kept encrypted, and their signing keys;
+* ``jobs/webhook_keys.py`` (below, used by the transitions too): secrets,
+  kept encrypted, and their signing keys;
 * ``signing``: Standard Webhooks signatures;
 * ``delivery``: attempts over HTTP, and the dispatcher that keeps time.
 """

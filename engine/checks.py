@@ -21,9 +21,8 @@ from batches.models import (
     BatchItem,
     ItemStatus,
 )
-
-from . import transitions
-from .models import (
+from jobs import transitions
+from jobs.models import (
     Job,
     JobStatus,
     Lease,

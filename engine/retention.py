@@ -21,11 +21,10 @@ from pathlib import Path
 from django.conf import settings
 from django.db.models import Exists, OuterRef, QuerySet
 
-from batches.archive import ArchiveRefused, write_archive
 from batches.models import Batch
-
-from . import transitions
-from .models import DeliveryStatus, WebhookDelivery
+from engine.archive import ArchiveRefused, write_archive
+from jobs import transitions
+from jobs.models import DeliveryStatus, WebhookDelivery
 
 log = logging.getLogger("recall.retention")
 

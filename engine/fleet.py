@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db.models import Count, Exists, Min, OuterRef, Q, Subquery, Sum
 
 from batches.models import Batch, BatchCounter, BatchMinute
-from batches.progress import (
+from engine.progress import (
     CHART_WINDOW,
     BatchState,
     Progress,
@@ -25,8 +25,7 @@ from batches.progress import (
     minute_floor,
     progress_for_many,
 )
-
-from .models import (
+from jobs.models import (
     ITEM_STATUS_FOR_JOB,
     Event,
     Job,
@@ -96,7 +95,7 @@ def unsettled_batches():
 
 def batch_states(now: datetime) -> dict[str, int]:
     """Batches per state, in the operator UI's words and by its rules (those
-    the batch list filters by: ``batches.progress.in_state``). A cancelled
+    the batch list filters by: ``engine.progress.in_state``). A cancelled
     batch is cancelled; one the sweep marked finished has nothing queued or in
     flight (the sweep checks that under the batch's lock, and a retry unmarks
     it under the same lock); only the others are looked at: two queries."""

@@ -27,11 +27,10 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 from django.db.models import F, Q
 
+from batches.intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
+from batches.models import Batch
+from engine.manifests import ManifestInvalid, check_name, create_batch
 from jobs import transitions
-
-from .intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
-from .manifests import ManifestInvalid, check_name, create_batch
-from .models import Batch
 
 log = logging.getLogger("recall.intake")
 
@@ -39,7 +38,7 @@ log = logging.getLogger("recall.intake")
 CHUNK_BYTES = 1024 * 1024
 # How often a running intake records its progress (and that it is alive).
 PROGRESS_SECONDS = 1.0
-TASK = "batches.tasks.run_intake"
+TASK = "engine.tasks.run_intake"
 
 
 def stale_after() -> timedelta:

@@ -14,8 +14,7 @@ from django.db.models import Count, Exists, F, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce, Now
 
 from batches.models import Batch
-
-from .models import Job, JobStatus
+from jobs.models import Job, JobStatus
 
 # Open batches one probe counts jobs in: beyond them it answers a lower bound,
 # which the next probe raises once the woken claims have emptied the first ones.

@@ -47,12 +47,12 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django_q.tasks import async_task
 
-from .. import transitions
-from ..models import DeliveryStatus, WebhookDelivery, url_origin
-from ..transitions import Claimed, Outcome
-from .destinations import Destination, DestinationRefused, resolve
-from .keys import SecretUnreadable
-from .signing import signature_header
+from engine.webhooks.destinations import Destination, DestinationRefused, resolve
+from engine.webhooks.signing import signature_header
+from jobs import transitions
+from jobs.models import DeliveryStatus, WebhookDelivery, url_origin
+from jobs.transitions import Claimed, Outcome
+from jobs.webhook_keys import SecretUnreadable
 
 log = logging.getLogger("recall.webhooks")
 
@@ -63,7 +63,7 @@ HORIZON = timedelta(seconds=120)
 # it queues (less than the schedule's minute: a single cluster worker keeps up).
 BUDGET = 50.0
 # The successor's task.
-DISPATCH_TASK = "jobs.tasks.dispatch_webhooks"
+DISPATCH_TASK = "engine.tasks.dispatch_webhooks"
 # How often a staying dispatcher looks for due attempts.
 POLL_SECONDS = 1.0
 # Attempts one process makes at once.

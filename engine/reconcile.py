@@ -37,9 +37,8 @@ from datetime import datetime
 from django.db.models import Exists, F, Max, OuterRef, Q
 
 from batches.models import Batch, ItemStatus
-
-from . import transitions
-from .models import Job, JobStatus, Lease, SweepState, agreeing_item_status
+from jobs import transitions
+from jobs.models import Job, JobStatus, Lease, SweepState, agreeing_item_status
 
 log = logging.getLogger("recall.reconcile")
 
