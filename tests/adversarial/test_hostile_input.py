@@ -21,7 +21,6 @@ import zipfile
 from urllib.parse import urlencode
 
 import pytest
-from batches.tasks import run_intake
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.core.management import CommandError, call_command
 from django.db import connection
@@ -36,6 +35,7 @@ from batches.json_limits import (
 from batches.models import Batch, BatchItem
 from batches.numbers import whole_number
 from engine import background_intake as background
+from engine.tasks import run_intake
 from jobs import transitions
 from jobs.models import Job, JobStatus, WebhookEvent
 from operator_api import tokens

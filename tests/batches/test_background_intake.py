@@ -5,7 +5,6 @@ when the task runs twice. The task is called here as the cluster calls it."""
 from datetime import timedelta
 
 import pytest
-from batches.tasks import run_intake
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import connection
 from django_q.models import OrmQ
@@ -14,6 +13,7 @@ from batches.intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatu
 from batches.models import Batch, BatchItem
 from engine import background_intake as background
 from engine.manifests import ManifestInvalid, create_batch
+from engine.tasks import run_intake
 
 from ..factories import T0, assert_consistent, failpoint, later, make_user
 

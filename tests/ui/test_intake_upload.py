@@ -8,13 +8,13 @@ import time
 from datetime import timedelta
 
 import pytest
-from batches.tasks import run_intake
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
 from batches.intake_records import Intake, IntakePhase, IntakeStatus
 from batches.models import Batch
 from engine import background_intake as background
+from engine.tasks import run_intake
 
 from ..factories import make_user
 
