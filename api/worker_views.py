@@ -37,7 +37,7 @@ from api.request_metrics import count_request, observed
 from api.waiter import MAX_WAIT_SECONDS, WAITER_KEY, ClaimRequest, Waiter
 from batches.numbers import is_number, shown
 from jobs import transitions
-from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, Worker
 from jobs.tokens import MAX_TOKEN_LENGTH
 from jobs.transitions.rules import heartbeat_interval, max_leases
@@ -83,6 +83,8 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
                 str(error),
                 {"Retry-After": str(heartbeat_interval())},
             )
+        except WorkerDisabled as error:  # disabled after it was authenticated
+            return error_response(403, "forbidden", str(error))
         # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
     return observed(wrapper)
@@ -265,7 +267,7 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
         # its own).
         try:
             job = transitions.claim_next(worker, max_leases=cap)
-        except TooManyLeases:
+        except (TooManyLeases, WorkerDisabled):
             yield None
             continue
         if job is None:

@@ -6,7 +6,10 @@ policies moved here name ``jobs.tasks``, ``batches.tasks`` or
 ``operator_api.tasks``. Each of those paths is made an alias of
 ``engine.tasks`` (in ``sys.modules`` and as the package's attribute, which is
 what ``pydoc.locate`` walks), so such a task still runs. Stored schedules are
-moved to the new paths by migrations (jobs 0014, operator_api 0004).
+moved to the new paths by migrations (jobs 0015, operator_api 0004).
+``ready`` also connects django-q2's ``post_spawn`` to
+``engine.tasks.cluster_worker_started``: a cluster starting resumes the
+webhook deliveries a killed one left.
 """
 
 from __future__ import annotations
@@ -34,4 +37,10 @@ class EngineConfig(AppConfig):
     verbose_name = "Engine"
 
     def ready(self) -> None:
+        from django_q.signals import post_spawn
+
+        from engine.tasks import cluster_worker_started
+
         install_task_aliases()
+        # A cluster starting resumes the webhook deliveries a killed one left.
+        post_spawn.connect(cluster_worker_started, dispatch_uid="recall-dispatch")

@@ -8,11 +8,17 @@ aliases of this module.
 
 from __future__ import annotations
 
+import logging
+
+from django_q.tasks import async_task
+
 from engine import background_intake
 from engine.sweep import sweep as run_sweep
-from engine.webhooks.delivery import dispatch
+from engine.webhooks.delivery import DISPATCH_TASK, dispatch, seconds_until_due
 from jobs import transitions
 from operator_api.idempotency import forget_expired
+
+log = logging.getLogger("recall.webhooks")
 
 
 def sweep() -> dict:
@@ -40,3 +46,18 @@ def run_intake(intake_id: int) -> str:
 def forget_expired_keys() -> int:
     """The hourly ``recall-idempotency-keys`` schedule: expired keys go."""
     return forget_expired(now=transitions.now())
+
+
+def cluster_worker_started(sender: object = None, **kwargs: object) -> None:
+    """A cluster worker process started (the cluster starting, or a worker
+    reincarnated after a crash; django-q2's ``post_spawn``): queue a
+    dispatcher if an attempt falls due soon, so a delivery a killed cluster
+    interrupted is made again within seconds of its lease running out, not at
+    the next scheduled run (up to a minute and a half later). Several workers
+    starting queue several: all but one return at once. Never raises: a
+    worker must start whatever the database says."""
+    try:
+        if seconds_until_due() is not None:
+            async_task(DISPATCH_TASK)
+    except Exception:
+        log.exception("could not queue the webhook dispatcher at start-up")

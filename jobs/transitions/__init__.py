@@ -172,7 +172,9 @@ def claim_next(
     counts the worker's live leases after its turn came, so simultaneous
     claims (plain or woken long-polls, on any number of processes) never
     lease it more. TooManyLeases when it holds that many already and there
-    is a job it could take; nothing is written then.
+    is a job it could take; nothing is written then. WorkerDisabled when the
+    worker was disabled after its request was authenticated (the turn sees
+    every disable committed before it): a disabled worker never gets a lease.
     """
     limit = rules.max_leases() if max_leases is None else max_leases
     job = backend().claim_next(worker, now=now, max_leases=limit)

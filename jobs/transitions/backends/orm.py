@@ -35,7 +35,7 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem, ItemStatus
-from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
@@ -157,7 +157,8 @@ class OrmBackend:
         out. Then takes the oldest claimable job of the first open batch in
         claim order (priority, then fair share: least virtual time), skipping
         batches at their in-flight cap and rows other claims hold. TooManyLeases
-        when the worker already holds ``max_leases`` (``_claim_turn``).
+        when the worker already holds ``max_leases``, WorkerDisabled when it was
+        disabled meanwhile (``_claim_turn``).
         """
         now = self._resolve(now)
         expired, cancelling, candidates = self._claim_plan(now)
@@ -265,10 +266,20 @@ class OrmBackend:
         claim's transaction ends), then count its live leases in a statement
         of their own, which sees every claim of the worker committed before
         the turn came: the count the cap is checked against is never stale.
+        WorkerDisabled if the worker was disabled before the turn came (after
+        its request was authenticated): ``disable_and_reclaim`` takes the same
+        lock, so a disabled worker never gets a lease.
         (On SQLite every transaction is BEGIN IMMEDIATE: already one at a
         time.) The statement backend does the same inside its claim
-        statement, through ``recall_claim_turn()`` (migration 0011)."""
-        Worker.objects.select_for_update(no_key=True).filter(pk=worker.pk).exists()
+        statement, through ``recall_claim_turn()`` (migrations 0013 and 0014)."""
+        active = (
+            Worker.objects.select_for_update(no_key=True)
+            .filter(pk=worker.pk)
+            .values_list("is_active", flat=True)
+            .first()
+        )
+        if not active:
+            raise WorkerDisabled(worker.name)
         return Job.objects.filter(leased_by=worker.pk).count()
 
     def _room_under_cap(self, candidate: Candidate) -> bool:

@@ -38,7 +38,7 @@ from django.db.models import Model, QuerySet
 from psycopg.types.datetime import TimestamptzLoader
 
 from batches.models import Batch, BatchItem, ItemStatus
-from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, JobStatus, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
@@ -167,8 +167,8 @@ class PostgresBackend(OrmBackend):
         )
         if row is not RACED:
             expired, cancelling, first_batch, at, held, *picked = row
-            if held is not None and held >= max_leases:
-                raise TooManyLeases(worker.name, held, max_leases)
+            if held is not None:
+                self._check_turn(worker, held, max_leases)
             if picked[0] is not None:  # a job row joined
                 job, written = self._leased(picked, worker, token)
                 if written:
@@ -219,8 +219,7 @@ class PostgresBackend(OrmBackend):
         )
         if row is not RACED:
             held, *picked = row
-            if held >= max_leases:
-                raise TooManyLeases(worker.name, held, max_leases)
+            self._check_turn(worker, held, max_leases)
             if picked[0] is None:
                 return None
             job, written = self._leased(picked, worker, token)
@@ -229,6 +228,14 @@ class PostgresBackend(OrmBackend):
         return super()._claim_in_batch(
             candidate, worker, now, charge=charge, max_leases=max_leases
         )
+
+    @staticmethod
+    def _check_turn(worker: Worker, held: int, max_leases: int) -> None:
+        """Refuse the claim its turn answered for: -1 is a disabled worker."""
+        if held < 0:
+            raise WorkerDisabled(worker.name)
+        if held >= max_leases:
+            raise TooManyLeases(worker.name, held, max_leases)
 
     def _claim_params(
         self, worker: Worker, token: str, now: datetime | None, max_leases: int
