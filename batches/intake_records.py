@@ -1,5 +1,5 @@
 """Background intakes: a manifest uploaded through the web form, waiting for or
-going through intake in the django-q2 cluster (batches/background.py).
+going through intake in the django-q2 cluster (engine/background_intake.py).
 
 The manifest travels in the database (IntakeChunk rows of about a megabyte), so
 the cluster may run on another host than the web server that received it. The

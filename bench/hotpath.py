@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.run import _setup_django, _start_database
 
-    # As gunicorn's processes keep the request metrics (jobs/metric_files.py).
+    # As gunicorn's processes keep the request metrics (recall_site/metric_files.py).
     os.environ.setdefault(
         "PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="recall-hotpath-")
     )

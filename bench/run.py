@@ -489,8 +489,8 @@ def sweep(bench: Bench) -> None:
     from batches.models import Batch
     from bench import loops, seed
     from bench.loops import utcnow
+    from engine.sweep import sweep as run_sweep
     from jobs.models import Job
-    from jobs.sweep import sweep as run_sweep
 
     big = bench.figures.get("big_batch")
     if big is None:
@@ -1087,10 +1087,10 @@ def idle_fleet(bench: Bench) -> None:
     worker does (poll-min 1 s, poll-max 30 s, jittered)."""
     import random
 
-    from batches.manifests import create_batch
     from batches.models import Batch
     from bench.fleet import Fleet
     from bench.loops import utcnow
+    from engine.manifests import create_batch
     from jobs import transitions
 
     sizes = bench.sizes
@@ -1155,8 +1155,8 @@ def purge_while_claiming(bench: Bench) -> None:
     from batches.models import Batch
     from bench import loops, seed
     from bench.loops import utcnow
-    from jobs.checks import find_violations
-    from jobs.retention import purge
+    from engine.checks import find_violations
+    from engine.retention import purge
 
     now = utcnow()
     items, batches = bench.sizes.purge_items, bench.sizes.purge_batches
@@ -1266,11 +1266,11 @@ def purge_while_claiming(bench: Bench) -> None:
 
 def long_poll(bench: Bench) -> None:
     """15: idle workers long-polling an empty queue, then a batch for all of them."""
-    from batches.manifests import create_batch
     from batches.models import Batch
     from bench import seed
     from bench.long_poll import LongPollFleet
     from bench.loops import utcnow
+    from engine.manifests import create_batch
     from jobs import transitions
     from jobs.models import Job, JobStatus
 

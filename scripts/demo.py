@@ -116,7 +116,7 @@ def set_up() -> tuple[str, dict[str, str]]:
     from django.core.management import call_command
     from django.db import connections
 
-    from batches.manifests import create_batch, file_lines
+    from engine.manifests import create_batch, file_lines
     from jobs import transitions
 
     say("migrating the demo database and collecting static files ...")

@@ -14,8 +14,8 @@ from datetime import datetime
 
 import pytest
 
+from api import worker_limits
 from batches.models import Batch
-from jobs import worker_limits
 from jobs.models import Worker
 
 from .factories import (

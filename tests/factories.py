@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 from django.db import connection
 from django.test import Client
 
-from batches.manifests import create_batch
 from batches.models import Batch, BatchCounter, BatchItem
+from engine.manifests import create_batch
 from jobs import transitions
 from jobs.models import Job, Lease, Worker
 
@@ -157,7 +157,7 @@ def _json(body) -> bytes:
 
 def assert_consistent(now: datetime = T0) -> None:
     """Every invariant holds (the same checks as ``manage.py recall_check``)."""
-    from jobs.checks import find_violations
+    from engine.checks import find_violations
 
     assert [str(v) for v in find_violations(now=now)] == []
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from bench import scale, seed
+from engine.checks import find_violations
+from engine.sweep import sweep
 from jobs import transitions
-from jobs.checks import find_violations
 from jobs.models import Job, JobStatus
-from jobs.sweep import sweep
 
 from .factories import T0
 from .pgserver import available

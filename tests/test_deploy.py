@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.metrics import render
+from recall_site.metrics import render
 
 from .factories import make_batch
 

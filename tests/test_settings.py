@@ -175,9 +175,9 @@ def test_gunicorn_workers_freeze_their_start_up_objects():
     run_hook = (
         "import gc, runpy, sys, django; django.setup(); "
         "c = runpy.run_path('gunicorn.conf.py'); "
-        "assert gc.get_freeze_count() == 0 and 'jobs.api' not in sys.modules; "
+        "assert gc.get_freeze_count() == 0 and 'api.worker_views' not in sys.modules; "
         "c['post_worker_init'](None); "
-        "print(gc.get_freeze_count(), 'jobs.api' in sys.modules, "
+        "print(gc.get_freeze_count(), 'api.worker_views' in sys.modules, "
         "len(gc.get_objects()) < 100)"
     )
     result = subprocess.run(

@@ -493,7 +493,7 @@ def create_webhook_endpoint(
     now: datetime | None = None,
 ) -> tuple[WebhookEndpoint, str]:
     """A new endpoint and its secret (shown once, stored encrypted). The caller
-    has checked the destination (``jobs.webhooks.endpoints``)."""
+    has checked the destination (``engine.webhooks.endpoints``)."""
     return webhook_writes.create_endpoint(
         url, events=events, description=description, now=_now(now)
     )

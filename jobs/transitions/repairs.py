@@ -1,6 +1,6 @@
 """The repairs reconciliation applies, each a transition of its own.
 
-``jobs.reconcile`` decides what to heal; these functions heal one thing each,
+``engine.reconcile`` decides what to heal; these functions heal one thing each,
 in a short transaction, and log every repair (an event row, a WARNING line and
 the repairs tally). The job row is the authority: a repair brings items,
 ledger rows, counters and batch flags in line with it, and never changes a

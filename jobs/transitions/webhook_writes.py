@@ -4,7 +4,7 @@ Events themselves are written by the transitions that cause them
 (``outbox.py``); here are the endpoints (create, rotate the secret, disable,
 re-enable, a test event), the deliveries' attempts (claimed by compare-and-set
 under a lease, then their outcome recorded), an operator's redelivery, and the
-dispatcher's lease. ``jobs.webhooks.delivery`` decides when to call them and makes the
+dispatcher's lease. ``engine.webhooks.delivery`` decides when to call them and makes the
 HTTP requests, never inside a transaction.
 """
 
@@ -29,7 +29,7 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
-from jobs.webhooks.keys import (
+from jobs.webhook_keys import (
     SecretUnreadable,
     decrypt,
     encrypt,

@@ -7,8 +7,8 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.utils import timezone
 
-from batches.admin_support import RECENT_BATCHES
 from batches.models import Batch, BatchItem
+from console.admin.support import RECENT_BATCHES
 from jobs import transitions
 from jobs.models import Event, Lease
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 from django.contrib.admin.models import LogEntry
 
+from engine.webhooks import delivery
 from jobs import transitions
+from jobs import webhook_keys as webhook_secrets
 from jobs.models import (
     WebhookAttempt,
     WebhookDelivery,
     WebhookEndpoint,
     WebhookEvent,
 )
-from jobs.webhooks import delivery
-from jobs.webhooks import keys as webhook_secrets
 
 from ..factories import T0, claim, make_batch, make_endpoint
 from ..receiver import Answer

@@ -26,7 +26,6 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import Client
 
-from batches import background
 from batches.intake_records import Intake
 from batches.json_limits import (
     MAX_JSON_DEPTH,
@@ -35,7 +34,8 @@ from batches.json_limits import (
 )
 from batches.models import Batch, BatchItem
 from batches.numbers import whole_number
-from batches.tasks import run_intake
+from engine import background_intake as background
+from engine.tasks import run_intake
 from jobs import transitions
 from jobs.models import Job, JobStatus, WebhookEvent
 from operator_api import tokens

@@ -9,11 +9,11 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import connection
 from django_q.models import OrmQ
 
-from batches import background
 from batches.intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
-from batches.manifests import ManifestInvalid, create_batch
 from batches.models import Batch, BatchItem
-from batches.tasks import run_intake
+from engine import background_intake as background
+from engine.manifests import ManifestInvalid, create_batch
+from engine.tasks import run_intake
 
 from ..factories import T0, assert_consistent, failpoint, later, make_user
 
@@ -56,7 +56,7 @@ def test_the_upload_is_stored_in_pieces_and_queued_once_committed(
     assert len(pieces) == -(-len(data) // 1000)
     assert b"".join(bytes(p) for p in pieces) == data
     (queued,) = OrmQ.objects.all()
-    assert queued.task["func"] == "batches.tasks.run_intake"
+    assert queued.task["func"] == "engine.tasks.run_intake"
     assert queued.task["args"] == (intake.pk,)
     assert not Batch.objects.exists()
 

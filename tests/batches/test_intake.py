@@ -1,13 +1,13 @@
 import pytest
 
-from batches.manifests import (
+from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem
+from engine.manifests import (
     Entry,
     LineError,
     ManifestInvalid,
     create_batch,
     parse_manifest,
 )
-from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem
 from jobs.models import Job, JobStatus
 
 from ..factories import assert_consistent

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 
 from batches.models import Batch
-from batches.progress import (
+from engine.progress import (
     BatchState,
     batch_state,
     chart_bars,

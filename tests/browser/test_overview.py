@@ -10,10 +10,10 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import Page, expect
 
-from batches.manifests import create_batch
+from engine.manifests import create_batch
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Worker
-from jobs.sweep import sweep
 
 from ..factories import make_worker
 from .conftest import Api

@@ -3,8 +3,8 @@ written behind Recall's back, as a faulty migration or a manual fix would)."""
 
 import pytest
 
+from engine.checks import find_violations
 from jobs import transitions
-from jobs.checks import find_violations
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 
 from ..factories import claim, later, make_batch

@@ -3,10 +3,10 @@ from datetime import timedelta
 import pytest
 
 from batches.models import Batch, BatchItem, ItemStatus
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.exceptions import TooManyLeases, WorkerDisabled
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd, Worker
-from jobs.sweep import sweep
 
 from ..factories import (
     T0,

@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 from django.db import connections
 
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
-from jobs.sweep import sweep
 from jobs.transitions.backends.statements import RECLAIM_GATE_KEY
 
 from ..factories import (

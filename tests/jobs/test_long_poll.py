@@ -12,11 +12,11 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
+from api.waiter import WAITER_KEY, ClaimRequest, Waiter
+from api.worker_views import claims_for_waiting
+from engine.longpoll import claimable_jobs
 from jobs import transitions
-from jobs.api import claims_for_waiting
-from jobs.longpoll import claimable_jobs
 from jobs.models import Job, JobStatus
-from jobs.waiter import WAITER_KEY, ClaimRequest, Waiter
 
 from ..factories import T0, claim, jobs_of, later, make_batch, make_worker
 

@@ -13,12 +13,14 @@ from datetime import timedelta
 import pytest
 from django.core.management import CommandError, call_command
 
-from batches.archive import ArchiveRefused, archive_path
 from batches.exports import jsonl_lines
 from batches.intake_records import Intake
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
-from jobs import fleet, transitions
-from jobs.metrics import render
+from engine import fleet
+from engine.archive import ArchiveRefused, archive_path
+from engine.retention import purge, purgeable
+from engine.sweep import sweep
+from jobs import transitions
 from jobs.models import (
     DeliveryStatus,
     Event,
@@ -28,8 +30,7 @@ from jobs.models import (
     WebhookDelivery,
     WebhookEvent,
 )
-from jobs.retention import purge, purgeable
-from jobs.sweep import sweep
+from recall_site.metrics import render
 
 from ..factories import (
     T0,

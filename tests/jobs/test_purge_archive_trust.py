@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from batches import archive as archives
-from batches.archive import ArchiveRefused, archive_path
-from jobs.retention import purge
+from engine import archive as archives
+from engine.archive import ArchiveRefused, archive_path
+from engine.retention import purge
 
 from .test_purge import DAY, GONE, T0, finished_batch, rows_of
 

@@ -221,7 +221,7 @@ def test_two_purges_at_once_delete_each_job_once():
     reports, errors = [], []
 
     def run() -> None:
-        from jobs.retention import purge
+        from engine.retention import purge
 
         try:
             reports.append(purge(older_than=timedelta(days=1), chunk=50))

@@ -11,7 +11,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import fleet, transitions
+from engine import fleet
+from jobs import transitions
 
 from ..factories import T0, make_batch, make_worker
 

@@ -15,12 +15,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem, ItemStatus
-from batches.progress import BatchState
+from engine.progress import BatchState
+from engine.reconcile import reconcile, sweep_state
+from engine.sweep import sweep
 from jobs import transitions
-from jobs.metrics import render
 from jobs.models import Job, JobStatus, Worker
-from jobs.reconcile import reconcile, sweep_state
-from jobs.sweep import sweep
+from recall_site.metrics import render
 
 from ..factories import T0, claim, later, make_batch, make_worker
 from .conftest import by_label, samples

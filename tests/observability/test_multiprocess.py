@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from jobs import metric_files as multiprocess
+from recall_site import metric_files as multiprocess
 
 from .conftest import samples
 
@@ -22,7 +22,7 @@ COUNTING = """
 import os, sys
 import django
 django.setup()
-from jobs.metrics import request_metrics
+from api.request_metrics import request_metrics
 metrics = request_metrics()
 claims, completes = int(sys.argv[1]), int(sys.argv[2])
 for _ in range(claims):
@@ -129,7 +129,7 @@ def test_prepare_empties_the_directory(tmp_path):
 FRESH = """
 import django
 django.setup()
-from jobs.metrics import request_metrics
+from api.request_metrics import request_metrics
 request_metrics()
 """
 

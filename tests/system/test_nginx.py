@@ -55,7 +55,7 @@ def test_the_nginx_file_matches_recalls_limits():
     limit = settings.RECALL_MAX_MANIFEST_BYTES
     assert limit <= body <= limit + 1024 * 1024
     read = int(re.search(r"proxy_read_timeout (\d+)s;", conf)[1])
-    from jobs.waiter import MAX_WAIT_SECONDS
+    from api.waiter import MAX_WAIT_SECONDS
 
     assert read > MAX_WAIT_SECONDS
     assert "proxy_request_buffering on;" in conf

@@ -199,7 +199,7 @@ def test_worker_api_long_polls_sweep_and_export_through_transaction_pooling(tmp_
             "the unheartbeated leases to expire",
         )
         q = cluster(tmp_path, env)
-        task_id = async_task("jobs.tasks.sweep")
+        task_id = async_task("engine.tasks.sweep")
         task = wait_for(
             lambda: Task.objects.filter(id=task_id).first(), 30, "the cluster's sweep"
         )

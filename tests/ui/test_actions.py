@@ -387,10 +387,12 @@ def test_an_oversized_paste_gets_a_clear_answer_even_with_csrf_checks(
 def test_a_cancel_cut_short_by_its_time_limit_is_finished_by_reconciliation(
     operator, monkeypatch, settings
 ):
-    from jobs.reconcile import reconcile
+    from engine.reconcile import reconcile
 
     settings.RECALL_CHUNK_SIZE = 5
-    monkeypatch.setattr("batches.views.ACTION_SECONDS", 0)  # no time for any chunk
+    monkeypatch.setattr(
+        "console.views.batches.ACTION_SECONDS", 0
+    )  # no time for any chunk
     batch = make_batch(12)
     client = client_for(operator)
 

@@ -221,7 +221,7 @@ def test_item_detail_shows_lease_attempts_and_repairs(viewer_client, worker):
     from batches.models import BatchItem
 
     BatchItem.objects.filter(pk=job.item_id).update(status="queued")
-    from jobs.reconcile import reconcile
+    from engine.reconcile import reconcile
 
     reconcile(now=timezone.now())
 

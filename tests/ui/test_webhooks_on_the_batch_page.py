@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookEvent, url_origin
-from jobs.webhooks import delivery
 
 from ..factories import claim, make_batch, make_endpoint
 from ..receiver import Answer

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookAttempt, WebhookDelivery, WebhookEvent
 from jobs.transitions.webhook_writes import INTERRUPTED
-from jobs.webhooks import delivery
 
 from ..factories import claim, make_batch, make_endpoint, make_worker
 from ..jobs.test_concurrency import run_threads

@@ -8,9 +8,9 @@ import ipaddress
 
 import pytest
 
+from engine.webhooks.destinations import DestinationRefused, refusal, resolve
+from jobs import webhook_keys as webhook_secrets
 from jobs.models import WebhookEndpoint
-from jobs.webhooks import keys as webhook_secrets
-from jobs.webhooks.destinations import DestinationRefused, refusal, resolve
 
 from ..factories import make_endpoint
 

@@ -22,8 +22,8 @@ from django.test.utils import override_settings
 from django.utils import timezone
 from pytest_django.live_server_helper import LiveServer
 
-from batches.manifests import create_batch
 from batches.models import Batch
+from engine.manifests import create_batch
 from jobs.models import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
