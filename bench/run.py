@@ -11,7 +11,6 @@ run on the same server, are what the targets are about.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import signal
@@ -26,6 +25,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from bench.cpu import cpu_seconds
+from harness.pgserver import PrivatePostgres
+from harness.server import Server, ServerError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -137,7 +138,7 @@ class Bench:
     scenarios: set[str]
     rows: list[Row] = field(default_factory=list)
     figures: dict[str, float] = field(default_factory=dict)
-    server: object = None  # the gunicorn process, while it runs
+    server: Server | None = None  # the gunicorn master, while it runs
     server_port: int = 0
     postmaster: int | None = None  # the private PostgreSQL server's, if any
 
@@ -157,9 +158,6 @@ class Bench:
 def _start_database(args) -> tuple[str, object | None]:
     if args.database_url:
         return args.database_url, None
-    sys.path.insert(0, str(ROOT))
-    from tests.pgserver import PrivatePostgres
-
     server = PrivatePostgres()
     # Stock PostgreSQL (fsync on, autovacuum on) with room for the clients.
     server.start(settings={"fsync": "on", "max_connections": "300"})
@@ -197,49 +195,30 @@ def _setup_django(database_url: str) -> None:
     call_command("collectstatic", verbosity=0, interactive=False)
 
 
-def _launch_gunicorn(**extra: str) -> tuple[subprocess.Popen, int]:
-    """The production configuration (gunicorn.conf.py, README) on a free port;
-    ``extra`` environment on top (WEB_CONCURRENCY, RECALL_WEB_THREADS ... set in
-    the environment of `make bench` reach it too)."""
-    from tests.pgserver import free_port
-
-    port = free_port()
-    env = {
-        **os.environ,
-        "RECALL_BIND": f"127.0.0.1:{port}",
-        "RECALL_STARTUP_SWEEP": "quick",
-        **extra,
-    }
-    log = open(Path(tempfile.gettempdir()) / "recall-bench-gunicorn.log", "ab")  # noqa: SIM115
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=log,
-        start_new_session=True,
+def _launch_gunicorn(**extra: str) -> tuple[Server, int]:
+    """The production configuration (gunicorn.conf.py, README) on a free port,
+    through the harness; ``extra`` environment on top (WEB_CONCURRENCY,
+    RECALL_WEB_THREADS ... set in the environment of `make bench` reach it too)."""
+    server = Server(
+        {**os.environ, "RECALL_STARTUP_SWEEP": "quick", **extra},
+        Path(tempfile.gettempdir()) / "recall-bench-gunicorn.log",
     )
-    import http.client
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            connection = http.client.HTTPConnection("127.0.0.1", port)
-            connection.request("GET", "/healthz")
-            if connection.getresponse().status == 200:
-                return server, port
-        time.sleep(0.2)
-    _terminate(server)
-    raise RuntimeError("gunicorn did not start (see recall-bench-gunicorn.log)")
+    try:
+        server.wait_until_up(60, interval=0.2)
+    except ServerError as error:
+        raise RuntimeError(
+            "gunicorn did not start (see recall-bench-gunicorn.log)"
+        ) from error
+    return server, server.port
 
 
-def _terminate(server: subprocess.Popen) -> None:
+def _terminate(server: Server) -> None:
+    """SIGTERM to the master; SIGKILL the lot if it is not gone in 30 s."""
     server.terminate()
     try:
         server.wait(timeout=30)
     except subprocess.TimeoutExpired:
         server.kill()
-        server.wait()
 
 
 def _start_gunicorn(bench: Bench) -> None:
@@ -1604,9 +1583,6 @@ def _scale_main(parser: argparse.ArgumentParser, args) -> int:
     elif args.database_url:
         database_url = _create_database(args.database_url, "recall_bench_scale")
     else:
-        sys.path.insert(0, str(ROOT))
-        from tests.pgserver import PrivatePostgres
-
         server = PrivatePostgres()
         # Stock settings but for memory and checkpoints sized for tables of
         # gigabytes (what any server holding them would be given).

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import psycopg
 
-from tests.pgserver import PrivatePostgres, free_port
+from harness.pgserver import PrivatePostgres, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from bench import scale, seed
+from harness.pgserver import available
 from jobs import transitions
 from jobs.checks import find_violations
 from jobs.models import Job, JobStatus
 from jobs.sweep import sweep
 
 from .factories import T0
-from .pgserver import available
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .pgserver import available
+from harness.pgserver import available
 
 ROOT = Path(__file__).resolve().parent.parent
 

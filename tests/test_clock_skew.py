@@ -9,12 +9,10 @@ the lease; a slow node must not keep an expired lease alive.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
-import subprocess
-import sys
-import time
+import shutil
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,16 +22,15 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from harness.server import Server, ServerError, libfaketime
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 
 from .factories import make_batch, make_worker
-from .pgserver import free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
-LIBFAKETIME = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+LIBFAKETIME = libfaketime()
 
 
 @contextlib.contextmanager
@@ -48,47 +45,28 @@ def skewed_server(offset: str) -> Iterator[str]:
         f"postgres://{settings['USER']}@{settings['HOST'] or '127.0.0.1'}:"
         f"{settings['PORT'] or 5432}/{settings['NAME']}"
     )
-    port = free_port()
-    env = {
-        **os.environ,
-        "DATABASE_URL": url,
-        "RECALL_BIND": f"127.0.0.1:{port}",
-        "WEB_CONCURRENCY": "1",
-        "RECALL_STARTUP_SWEEP": "off",
-        "RECALL_HTTPS": "off",
-        "RECALL_ACCESS_LOG": "/dev/null",
-        "LD_PRELOAD": LIBFAKETIME[0],
-        "FAKETIME": offset,
-    }
-    env.pop("FAKETIME_DONT_FAKE_MONOTONIC", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    log = Path(tempfile.mkdtemp(prefix="recall-skewed-")) / "gunicorn.log"
+    server = Server(
+        {
+            **os.environ,
+            "DATABASE_URL": url,
+            "WEB_CONCURRENCY": "1",
+            "RECALL_STARTUP_SWEEP": "off",
+            "RECALL_HTTPS": "off",
+            "RECALL_ACCESS_LOG": "/dev/null",
+        },
+        log,
+        clock=offset,
     )
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/healthz", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    pytest.fail(
-                        f"the skewed server did not start: {proc.stderr.read()}"
-                    )
-                time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            server.wait_until_up(30)
+        except ServerError as error:
+            pytest.fail(f"the skewed server did not start: {error}")
+        yield server.url
+    finally:
+        server.stop(15)
+        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 def post(base: str, path: str, token: str, body: dict) -> tuple[int, dict]:

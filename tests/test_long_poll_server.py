@@ -26,7 +26,7 @@ from recall_site.gunicorn_worker import probe_file
 
 from .factories import assert_consistent, jobs_of, make_batch, make_worker
 from .observability.conftest import samples
-from .test_server import backends, start_server
+from .support.server import backends, start_server
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

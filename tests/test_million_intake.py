@@ -23,12 +23,11 @@ from django.db import connection
 
 from batches.intakes import Intake
 from batches.models import Batch, BatchItem
+from harness.server import PY, ROOT, Process, Server, free_port
 from jobs.models import Job
 
 from .factories import make_user
-from .pgserver import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 ITEMS = int(os.environ.get("RECALL_MILLION_ITEMS", "1000000"))
 
 pytestmark = [
@@ -41,24 +40,6 @@ pytestmark = [
 def _database_url() -> str:
     s = connection.settings_dict
     return f"postgres://{s['USER'] or 'root'}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
-
-
-def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, 15)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
 
 
 def _multipart(fields: dict[str, str], manifest: Path, boundary: str) -> bytes:
@@ -85,7 +66,7 @@ def test_a_million_item_manifest_through_the_web_form(tmp_path):
     user = User.objects.get(username="ana")
     user.set_password("a-long-enough-password")
     user.save()
-    port = free_port()
+    port = free_port()  # the server's, in the environment the cluster shares
     env = {
         "PATH": os.environ["PATH"],
         "SECRET_KEY": os.environ["SECRET_KEY"],
@@ -101,15 +82,11 @@ def test_a_million_item_manifest_through_the_web_form(tmp_path):
         [sys.executable, "manage.py", "collectstatic", "--noinput", "-v0"],
         cwd=ROOT, env=env, check=True, timeout=120,
     )  # fmt: skip
-    web = _start(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-        env,
-        tmp_path / "gunicorn.log",
+    web = Server(env, tmp_path / "gunicorn.log", port=port)
+    cluster = Process(
+        "qcluster", [PY, "manage.py", "qcluster"], env, tmp_path / "cluster.log"
     )
-    cluster = _start(
-        [sys.executable, "manage.py", "qcluster"], env, tmp_path / "cluster.log"
-    )
-    base = f"http://127.0.0.1:{port}"
+    base = web.url
     try:
         jar = http.cookiejar.CookieJar()
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
@@ -172,8 +149,8 @@ def test_a_million_item_manifest_through_the_web_form(tmp_path):
         assert "A million" in page
         assert "Checking every line" in seen  # the page showed the check going on
     finally:
-        _stop(web)
-        _stop(cluster)
+        web.stop()
+        cluster.stop()
 
     batch = Batch.objects.get()
     assert (batch.name, batch.total) == ("A million", ITEMS)

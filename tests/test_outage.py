@@ -1,7 +1,7 @@
 """Database outage: while PostgreSQL is down the API answers 503 JSON, and once
 it is back the same gunicorn processes serve again, with nothing half-written.
 
-Runs its own PostgreSQL server (tests/pgserver.py) and a real gunicorn, so the
+Runs its own PostgreSQL server and a real gunicorn (harness/), so the
 shared test database is never touched.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from .pgserver import PrivatePostgres, available, free_port
+from harness.pgserver import PrivatePostgres, available
+from harness.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS_TOKEN = "outage-metrics-token-3f6a90c8e1b2d47"
@@ -109,23 +109,17 @@ def server():
     manifest.parent.mkdir(exist_ok=True)
     manifest.write_text("/a.wav\n/b.wav\n/c.wav\n")
     _manage(env, "create_batch", "outage", str(manifest))
-    port = free_port()
-    log = open(pg.dir / "gunicorn.log", "w+")  # noqa: SIM115 (closed below)
-    gunicorn = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-        cwd=ROOT,
-        env=_env(
+    web = Server(
+        _env(
             url,
-            RECALL_BIND=f"127.0.0.1:{port}",
             WEB_CONCURRENCY="2",
             RECALL_STARTUP_SWEEP="quick",
             RECALL_METRICS_TOKEN=METRICS_TOKEN,
         ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        pg.dir / "gunicorn.log",
     )
-    base = f"http://127.0.0.1:{port}"
+    log = open(web.log)  # noqa: SIM115 (closed below)
+    base = web.url
     try:
         _wait_until(lambda: True if _alive(base) else None)
         yield {
@@ -133,12 +127,11 @@ def server():
             "base": base,
             "token": token,
             "env": env,
-            "gunicorn": gunicorn,
+            "gunicorn": web.popen,
             "log": log,
         }
     finally:
-        os.killpg(gunicorn.pid, signal.SIGTERM)
-        gunicorn.wait(timeout=30)
+        web.stop()
         log.close()
         pg.destroy()
 

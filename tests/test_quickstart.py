@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from .pgserver import free_port
+from harness.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README_ADDRESS = "127.0.0.1:8000"

@@ -8,83 +8,23 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import stat
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from django.db import connection
 from django.utils import timezone
 
+from harness.server import free_port
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 
 from .factories import assert_consistent, make_batch, make_worker
-from .pgserver import free_port
+from .support.server import backends, start_server
 
-ROOT = Path(__file__).resolve().parent.parent
 PROCESSES, THREADS = 2, 4
-APPLICATION = "recall-server-test"
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
-
-
-def start_server(
-    tmp_path, processes: int, threads: int, *args: str, env: dict | None = None
-):
-    """gunicorn with gunicorn.conf.py (``args`` and ``env`` on top) on the test
-    database (PostgreSQL, or the embedded SQLite file)."""
-    port = free_port()
-    env = {
-        "PATH": os.environ["PATH"],
-        "SECRET_KEY": os.environ["SECRET_KEY"],
-        "DATABASE_URL": served_database_url(),
-        "RECALL_HTTPS": "off",
-        "RECALL_BIND": f"127.0.0.1:{port}",
-        "RECALL_STARTUP_SWEEP": "quick",
-        "RECALL_VAR_DIR": str(tmp_path),
-        "WEB_CONCURRENCY": str(processes),
-        "RECALL_WEB_THREADS": str(threads),
-        "RECALL_ACCESS_LOG": str(tmp_path / "access.log"),
-        **(env or {}),
-    }
-    log = tmp_path / "gunicorn.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *args],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while log.read_text().count("Booting worker") < processes or not _healthy(port):
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
-    return process, port, log
-
-
-def served_database_url() -> str:
-    """The test database as the server's DATABASE_URL."""
-    s = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{s['NAME']}"
-    # Named, to tell its connections from any other (a live server's).
-    return (
-        f"postgres://{s['USER'] or 'root'}@{s['HOST'] or '127.0.0.1'}:"
-        f"{s['PORT'] or 5432}/{s['NAME']}?application_name={APPLICATION}"
-    )
-
-
-def _healthy(port: int) -> bool:
-    try:
-        probe = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        probe.request("GET", "/healthz")
-        return probe.getresponse().status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -93,17 +33,6 @@ def server(tmp_path):
     yield port, log
     process.terminate()
     process.wait(timeout=30)
-
-
-def backends() -> int:
-    """The server's connections to the test database."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND application_name = %s",
-            [APPLICATION],
-        )
-        return cursor.fetchone()[0]
 
 
 def test_threads_keep_their_connections_and_the_hot_path_stays_correct(server):

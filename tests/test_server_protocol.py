@@ -31,7 +31,7 @@ from .adversarial.clients import (
     serving,
 )
 from .factories import make_batch, make_user, make_worker
-from .test_server import ROOT, served_database_url
+from .support.server import ROOT, served_database_url
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

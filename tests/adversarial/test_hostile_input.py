@@ -51,7 +51,7 @@ from ..factories import (
     make_user,
     make_worker,
 )
-from ..test_server import ROOT, start_server
+from ..support.server import ROOT, start_server
 
 pytestmark = pytest.mark.django_db
 

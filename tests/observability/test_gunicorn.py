@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,14 +20,13 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from harness.server import Server, free_port
 from jobs import transitions
 
 from ..factories import make_batch
-from ..pgserver import free_port
 from .conftest import samples
 from .test_multiprocess import CLAIMS, count_in_a_process
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "gunicorn-metrics-token-7c1e9a44b2d0f3"
 DATABASE_FAMILIES = (
     "recall_jobs",
@@ -51,7 +48,7 @@ class Node:
         self.log_path = tmp / f"{name}.log"
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
+        self.server: Server | None = None
 
     def start(self) -> None:
         db = connection.settings_dict
@@ -61,7 +58,6 @@ class Node:
             f"{db['NAME']}",
             "SECRET_KEY": "gunicorn-test-secret-" + "x" * 50,
             "RECALL_HTTPS": "off",
-            "RECALL_BIND": f"127.0.0.1:{self.port}",
             "WEB_CONCURRENCY": "3",
             # One request per process at a time (sync workers), so requests
             # held open land on distinct processes; threads do not change how
@@ -72,24 +68,12 @@ class Node:
             "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
             "LOG_FORMAT": "json",
         }
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-            cwd=ROOT,
-            env=env,
-            stdout=self.log_path.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.server = Server(env, self.log_path, port=self.port)
         self.wait_for(lambda: self.booted() >= 3, "three booted processes")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        if self.server is not None:
+            self.server.stop()
 
     def lines(self) -> list[dict]:
         return [json.loads(line) for line in self.log_path.read_text().splitlines()]
@@ -100,7 +84,7 @@ class Node:
     def wait_for(self, condition, what: str, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
-            assert self.process.poll() is None, self.log_path.read_text()
+            assert self.server.alive(), self.log_path.read_text()
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.05)
 

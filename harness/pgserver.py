@@ -1,9 +1,11 @@
-"""A private PostgreSQL server for tests that stop and restart the database.
+"""A private PostgreSQL server, for runs that stop and restart the database or
+want one of their own.
 
 The outage test and the chaos run need to take PostgreSQL down and bring it
-back; doing that to the shared server would break every other connection. This
-starts a throwaway cluster (initdb in a temporary directory, its own port) from
-the installed PostgreSQL binaries. As root, the server runs as the ``postgres``
+back, and the benchmark wants a stock server with room for its clients; doing
+that to the shared server would break every other connection. This starts a
+throwaway cluster (initdb in a temporary directory, its own port) from the
+installed PostgreSQL binaries. As root, the server runs as the ``postgres``
 user (PostgreSQL refuses to run as root).
 """
 
@@ -13,11 +15,14 @@ import contextlib
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from .server import free_port
+
+__all__ = ["PrivatePostgres", "available", "free_port"]
 
 
 def _bin(name: str) -> str:
@@ -37,12 +42,6 @@ def available() -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PrivatePostgres:
