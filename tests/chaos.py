@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import glob
 import hashlib
 import hmac
 import json
@@ -42,7 +41,6 @@ import os
 import random
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -53,10 +51,9 @@ from pathlib import Path
 
 import psycopg
 
-from harness.pgserver import PrivatePostgres, free_port
+from harness.pgserver import PrivatePostgres
+from harness.server import PY, ROOT, Process, Server, free_port, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
 POISON = "chaos://poison/corrupt.wav"
 # The small batches beside the weighted ones; the last is cancelled mid-run.
 SMALL_BATCHES = 4
@@ -172,45 +169,6 @@ class Receiver:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-class Process:
-    """A child in a session of its own, so a kill takes its children with it."""
-
-    def __init__(self, name: str, argv: list[str], env: dict, log: Path):
-        self.name, self.argv, self.env, self.log = name, argv, env, log
-        self.popen: subprocess.Popen | None = None
-        self.port = 0  # a web node's
-        self.start()
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(
-                self.argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal(self, signum: int) -> None:
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signum)
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        if self.popen is not None:
-            self.popen.wait(timeout=30)
-
-    def stop(self, timeout: float = 30) -> None:
-        self.signal(signal.SIGTERM)
-        if self.popen is None:
-            return
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 def _manage(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -333,24 +291,22 @@ def run(args: argparse.Namespace) -> int:
             suffix = "" if n == 0 else f"-{n + 1}"
             web_env = {
                 **env,
-                "RECALL_BIND": f"127.0.0.1:{node_port}",
                 "WEB_CONCURRENCY": str(args.web_processes),
                 "RECALL_STARTUP_SWEEP": "quick",
                 "RECALL_ACCESS_LOG": str(work / f"access{suffix}.log"),
             }
-            if n == 1:  # the second node's clock is off: only the database's counts
-                web_env.update(_skewed_clock(args.node_skew))
-            node = Process(
-                f"gunicorn{suffix}",
-                [PY, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
+            node = Server(
                 web_env,
                 work / f"gunicorn{suffix}.log",
+                port=node_port,
+                name=f"gunicorn{suffix}",
+                # The second node's clock is off: only the database's counts.
+                clock=args.node_skew if n == 1 else None,
             )
-            node.port = node_port
             nodes.append(node)
             processes.append(node)
         for node in nodes:
-            _wait_for(lambda node=node: _up(node.port), 60, "gunicorn did not start")
+            wait_until(node.up, 60, "gunicorn did not start")
         clusters = [
             Process(
                 f"qcluster{'' if c == 0 else f'-{c + 1}'}",
@@ -725,33 +681,6 @@ def _crash_reports(log: Path) -> list[str]:
         for at, line in enumerate(lines)
         if "Internal Server Error" in line or "Traceback" in line
     ]
-
-
-def _skewed_clock(offset: str) -> dict[str, str]:
-    """The environment that runs a process with its clock ``offset`` (libfaketime;
-    its monotonic clock is faked too, or ``time.sleep`` fails on Python 3.11)."""
-    library = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
-    if not library:
-        raise RuntimeError("--nodes needs libfaketime (Debian package faketime)")
-    return {"LD_PRELOAD": library[0], "FAKETIME": offset}
-
-
-def _up(port: int) -> bool:
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-def _wait_for(check, timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(message)
-        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
