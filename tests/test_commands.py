@@ -14,8 +14,7 @@ from jobs import transitions
 from jobs.models import Job, Worker
 from jobs.reconcile import sweep_state
 from jobs.sweep import LOCK_TTL, acquire_lock
-
-from .factories import claim, later, make_batch, make_worker
+from tests.support.factories import claim, later, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

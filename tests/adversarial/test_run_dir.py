@@ -20,10 +20,9 @@ import pytest
 
 from harness.server import Server, free_port
 from recall_site import rundir
-
-from ..factories import make_worker
-from ..support.server import served_database_url
-from .clients import claim_bytes, connect, serving
+from tests.support.factories import make_worker
+from tests.support.raw_clients import claim_bytes, connect, serving
+from tests.support.server import served_database_url
 
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
 

@@ -22,9 +22,8 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Job, JobStatus, Worker
-
-from ..factories import make_batch, make_worker
-from ..support.server import healthy, start_server
+from tests.support.factories import make_batch, make_worker
+from tests.support.server import healthy, start_server
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

@@ -14,8 +14,7 @@ from batches.intake import ManifestInvalid, create_batch
 from batches.intakes import Intake, IntakeChunk, IntakePhase, IntakeStatus
 from batches.models import Batch, BatchItem
 from batches.tasks import run_intake
-
-from ..factories import T0, assert_consistent, failpoint, later, make_user
+from tests.support.factories import T0, assert_consistent, failpoint, later, make_user
 
 pytestmark = pytest.mark.django_db
 

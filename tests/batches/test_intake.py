@@ -9,8 +9,7 @@ from batches.intake import (
 )
 from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem
 from jobs.models import Job, JobStatus
-
-from ..factories import assert_consistent
+from tests.support.factories import assert_consistent
 
 
 def parse(text: str | bytes) -> list:

@@ -7,8 +7,7 @@ from jobs import transitions
 from jobs.exceptions import TooManyLeases
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,

@@ -29,8 +29,7 @@ from jobs.models import (
 )
 from jobs.reconcile import reconcile
 from jobs.sweep import sweep
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,

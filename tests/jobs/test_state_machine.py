@@ -36,8 +36,7 @@ from jobs.models import (
 )
 from jobs.reconcile import reconcile
 from jobs.sweep import sweep
-
-from ..factories import T0, make_batch
+from tests.support.factories import T0, make_batch
 
 WORKERS = 3
 ITEMS = 5

@@ -16,8 +16,7 @@ from jobs import worker_limits
 from jobs.models import Job, JobStatus
 from jobs.waiter import WAITER_KEY, Waiter
 from jobs.worker_limits import MICRO, Table
-
-from ..factories import WorkerClient, jobs_of, make_batch, make_worker
+from tests.support.factories import WorkerClient, jobs_of, make_batch, make_worker
 
 SECOND = MICRO  # the table's clock counts microseconds
 

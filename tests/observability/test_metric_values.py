@@ -21,9 +21,8 @@ from jobs.metrics import render
 from jobs.models import Job, JobStatus, Worker
 from jobs.reconcile import reconcile, sweep_state
 from jobs.sweep import sweep
-
-from ..factories import T0, claim, later, make_batch, make_worker
-from .conftest import by_label, samples
+from tests.support.factories import T0, claim, later, make_batch, make_worker
+from tests.support.metrics import by_label, samples
 
 pytestmark = pytest.mark.django_db
 

@@ -15,8 +15,7 @@ from batches import background
 from batches.intakes import Intake, IntakePhase, IntakeStatus
 from batches.models import Batch
 from batches.tasks import run_intake
-
-from ..factories import make_user
+from tests.support.factories import make_user
 
 pytestmark = pytest.mark.django_db
 

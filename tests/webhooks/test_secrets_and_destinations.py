@@ -11,8 +11,7 @@ import pytest
 from jobs.models import WebhookEndpoint
 from jobs.webhooks import keys as webhook_secrets
 from jobs.webhooks.destinations import DestinationRefused, refusal, resolve
-
-from ..factories import make_endpoint
+from tests.support.factories import make_endpoint
 
 
 def test_a_secret_is_whsec_and_base64_of_32_random_bytes():

@@ -15,14 +15,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from harness.pgserver import PrivatePostgres, available
-from harness.server import Server
+from harness.server import ROOT, Server
 
-ROOT = Path(__file__).resolve().parent.parent
 METRICS_TOKEN = "outage-metrics-token-3f6a90c8e1b2d47"
 pytestmark = [
     pytest.mark.postgres,

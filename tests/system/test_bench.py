@@ -6,20 +6,17 @@ import re
 import subprocess
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
 from bench import scale, seed
 from harness.pgserver import available
+from harness.server import ROOT
 from jobs import transitions
 from jobs.checks import find_violations
 from jobs.models import Job, JobStatus
 from jobs.sweep import sweep
-
-from .factories import T0
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.factories import T0
 
 pytestmark = pytest.mark.postgres
 

@@ -21,8 +21,8 @@ from django.utils import timezone
 from batches.models import Batch
 from jobs.models import Job, JobStatus
 from recall_site.request_reading import MEMORY_BODY_BYTES
-
-from .adversarial.clients import (
+from tests.support.factories import make_batch, make_user, make_worker
+from tests.support.raw_clients import (
     call,
     closed_by_server,
     connect,
@@ -30,8 +30,7 @@ from .adversarial.clients import (
     request_bytes,
     serving,
 )
-from .factories import make_batch, make_user, make_worker
-from .support.server import ROOT, served_database_url
+from tests.support.server import ROOT, served_database_url
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

@@ -18,9 +18,8 @@ from django.utils import timezone
 
 from harness.server import free_port
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
-
-from .factories import assert_consistent, make_batch, make_worker
-from .support.server import backends, start_server
+from tests.support.factories import assert_consistent, make_batch, make_worker
+from tests.support.server import backends, start_server
 
 PROCESSES, THREADS = 2, 4
 

@@ -25,8 +25,7 @@ from django.db import connection
 from harness.server import Server, ServerError, libfaketime
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
-
-from .factories import make_batch, make_worker
+from tests.support.factories import make_batch, make_worker
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

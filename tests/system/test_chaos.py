@@ -1,16 +1,14 @@
 """The short chaos run (about a minute) that `make test` and CI include; `make
-chaos` runs the long one. See tests/chaos.py for what it does and checks."""
+chaos` runs the long one. See tests/system/chaos.py for what it does and checks."""
 
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from harness.pgserver import available
-
-ROOT = Path(__file__).resolve().parent.parent
+from harness.server import ROOT
 
 pytestmark = [
     pytest.mark.postgres,
@@ -22,7 +20,7 @@ pytestmark = [
 
 def test_a_short_chaos_run_loses_nothing_and_lies_about_nothing():
     result = subprocess.run(
-        [sys.executable, "-m", "tests.chaos", "--duration", "45", "--workers", "6",
+        [sys.executable, "-m", "tests.system.chaos", "--duration", "45", "--workers", "6",
          "--items", "400", "--lease", "3", "--kill-every", "3", "--drain", "120",
          "--nodes", "2", "--node-kill-every", "12"],
         cwd=ROOT, capture_output=True, text=True, timeout=420,

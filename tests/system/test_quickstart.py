@@ -30,9 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.server import free_port
+from harness.server import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 README_ADDRESS = "127.0.0.1:8000"
 
 pytestmark = pytest.mark.slow

@@ -22,10 +22,8 @@ from django.db import connection
 
 from harness.server import Server, free_port
 from jobs import transitions
-
-from ..factories import make_batch
-from .conftest import samples
-from .test_multiprocess import CLAIMS, count_in_a_process
+from tests.support.factories import make_batch
+from tests.support.metrics import CLAIMS, count_in_a_process, samples
 
 TOKEN = "gunicorn-metrics-token-7c1e9a44b2d0f3"
 DATABASE_FAMILIES = (

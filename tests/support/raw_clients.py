@@ -10,7 +10,7 @@ import time
 import weakref
 from collections.abc import Iterator
 
-from ..support.server import start_server
+from tests.support.server import start_server
 
 HOST = "127.0.0.1"
 

@@ -5,8 +5,8 @@ pause and resume, and see the refresh control and polling behave."""
 import pytest
 from playwright.sync_api import Page, expect
 
-from ..factories import make_user
-from .conftest import Api
+from tests.support.browser import Api
+from tests.support.factories import make_user
 
 pytestmark = [
     pytest.mark.browser,

@@ -25,8 +25,7 @@ from batches.intakes import Intake
 from batches.models import Batch, BatchItem
 from harness.server import PY, ROOT, Process, Server, free_port
 from jobs.models import Job
-
-from .factories import make_user
+from tests.support.factories import make_user
 
 ITEMS = int(os.environ.get("RECALL_MILLION_ITEMS", "1000000"))
 

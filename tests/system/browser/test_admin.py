@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import Page, expect
 
-from ..factories import make_batch, make_user
-from .conftest import Api
+from tests.support.browser import Api
+from tests.support.factories import make_batch, make_user
 
 pytestmark = [
     pytest.mark.browser,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from .factories import make_worker
-from .support.server import start_server
-from .test_long_poll_server import post, woken_by_a_new_batch
+from tests.support.factories import make_worker
+from tests.support.long_poll import post, woken_by_a_new_batch
+from tests.support.server import start_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

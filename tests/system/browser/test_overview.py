@@ -14,9 +14,8 @@ from batches.intake import create_batch
 from jobs import transitions
 from jobs.models import Worker
 from jobs.sweep import sweep
-
-from ..factories import make_worker
-from .conftest import Api
+from tests.support.browser import Api
+from tests.support.factories import make_worker
 
 pytestmark = [
     pytest.mark.browser,

@@ -26,7 +26,7 @@ the violence, lets leases expire and sweeps run, and checks:
 It prints one summary line, e.g. ``chaos: 3000 jobs, 41 kills, 37 reclaims,
 1 db restart, lost 0, duplicated 0, mismatched 0, 5xx 0 ...; webhooks: 7
 batches, 7 batch.finished (duplicated 0, missing 0), ...``, and exits 0 only
-if all is well. ``python -m tests.chaos --help`` lists the knobs.
+if all is well. ``python -m tests.system.chaos --help`` lists the knobs.
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
         worker_env = {"PATH": os.environ["PATH"]}
-        engine = f"{PY} tests/chaos_engine.py {{source}}"
+        engine = f"{PY} tests/system/chaos_engine.py {{source}}"
         workers = []
         for i, token in enumerate(tokens):
             worker = Process(
