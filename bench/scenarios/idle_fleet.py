@@ -16,7 +16,7 @@ def idle_fleet(bench: Bench) -> None:
     worker does (poll-min 1 s, poll-max 30 s, jittered)."""
     import random
 
-    from batches.intake import create_batch
+    from batches.manifests import create_batch
     from batches.models import Batch
     from bench.fleet import Fleet
     from bench.loops import utcnow

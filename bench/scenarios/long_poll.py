@@ -12,7 +12,7 @@ from bench.core import Bench, _million, _ms, _pct, _server_cpu, _workers_named
 
 def long_poll(bench: Bench) -> None:
     """15: idle workers long-polling an empty queue, then a batch for all of them."""
-    from batches.intake import create_batch
+    from batches.manifests import create_batch
     from batches.models import Batch
     from bench import seed
     from bench.long_poll import LongPollFleet

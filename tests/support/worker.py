@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from batches.intake import create_batch
+from batches.manifests import create_batch
 from batches.models import Batch
 from harness.server import ROOT
 
