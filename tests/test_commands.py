@@ -14,8 +14,7 @@ from engine.reconcile import sweep_state
 from engine.sweep import LOCK_TTL, acquire_lock
 from jobs import transitions
 from jobs.models import Job, Worker
-
-from .factories import claim, later, make_batch, make_worker
+from tests.support.factories import claim, later, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

@@ -4,28 +4,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCTION = {
-    "PATH": os.environ["PATH"],
-    "SECRET_KEY": "k" * 30 + "-a-long-random-production-secret-value",
-    "ALLOWED_HOSTS": "recall.example.com",
-    "DATABASE_URL": "sqlite:////tmp/recall-settings-test.sqlite3",
-}
-
-
-def manage(*args, env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+from tests.support.settings import PRODUCTION, ROOT, manage
 
 
 def test_check_deploy_is_clean_in_production_settings():

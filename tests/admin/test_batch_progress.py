@@ -14,8 +14,7 @@ from django.utils import timezone
 from batches.models import Batch
 from engine.progress import BatchState, format_duration, progress_for
 from jobs import transitions
-
-from ..factories import make_batch, make_user
+from tests.support.factories import make_batch, make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -18,9 +18,14 @@ from batches.models import Batch, ItemStatus
 from console.admin.job_actions import CANCEL_QUEUED, FORCE_RECLAIM, REQUEUE_FAILED
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-
-from ..factories import assert_consistent, failpoint, jobs_of, make_batch, snapshot
-from .conftest import JOBS, act, messages_of
+from tests.support.admin import JOBS, act, messages_of
+from tests.support.factories import (
+    assert_consistent,
+    failpoint,
+    jobs_of,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 

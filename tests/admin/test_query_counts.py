@@ -11,9 +11,8 @@ from django.utils import timezone
 
 from jobs import transitions
 from jobs.models import Job, Lease
-
-from ..factories import make_batch, make_worker
-from .conftest import JOBS, VIEW_ALL, act
+from tests.support.admin import JOBS, VIEW_ALL, act
+from tests.support.factories import make_batch, make_worker
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
 

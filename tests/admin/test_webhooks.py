@@ -16,10 +16,9 @@ from jobs.models import (
     WebhookEndpoint,
     WebhookEvent,
 )
-
-from ..factories import T0, claim, make_batch, make_endpoint
-from ..receiver import Answer
-from .conftest import act, messages_of
+from tests.support.admin import act, messages_of
+from tests.support.factories import T0, claim, make_batch, make_endpoint
+from tests.support.receiver import Answer
 
 pytestmark = pytest.mark.django_db
 

@@ -39,8 +39,7 @@ from engine.tasks import run_intake
 from jobs import transitions
 from jobs.models import Job, JobStatus, WebhookEvent
 from operator_api import tokens
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     WorkerClient,
     claim,
@@ -51,7 +50,7 @@ from ..factories import (
     make_user,
     make_worker,
 )
-from ..test_server import ROOT, start_server
+from tests.support.server import ROOT, start_server
 
 pytestmark = pytest.mark.django_db
 

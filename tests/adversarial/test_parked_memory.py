@@ -18,9 +18,8 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Job, JobStatus, Worker
-
-from ..factories import jobs_of, make_batch, make_worker
-from .clients import connect, read_response, request_bytes, serving
+from tests.support.factories import jobs_of, make_batch, make_worker
+from tests.support.raw_clients import connect, read_response, request_bytes, serving
 
 pytestmark = [
     pytest.mark.slow,

@@ -14,8 +14,7 @@ from batches.models import Batch, BatchItem
 from engine import background_intake as background
 from engine.manifests import ManifestInvalid, create_batch
 from engine.tasks import run_intake
-
-from ..factories import T0, assert_consistent, failpoint, later, make_user
+from tests.support.factories import T0, assert_consistent, failpoint, later, make_user
 
 pytestmark = pytest.mark.django_db
 

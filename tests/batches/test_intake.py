@@ -9,8 +9,7 @@ from engine.manifests import (
     parse_manifest,
 )
 from jobs.models import Job, JobStatus
-
-from ..factories import assert_consistent
+from tests.support.factories import assert_consistent
 
 
 def parse(text: str | bytes) -> list:

@@ -20,8 +20,7 @@ from engine.progress import (
 )
 from jobs import transitions
 from jobs.models import Job
-
-from ..factories import T0, claim, later, make_batch
+from tests.support.factories import T0, claim, later, make_batch
 
 # --- Pure functions ------------------------------------------------------------------
 

@@ -19,8 +19,7 @@ from engine.progress import (
 )
 from jobs import transitions
 from jobs.transitions.rules import heartbeat_interval, silent_after
-
-from ..factories import T0, claim, later, make_batch
+from tests.support.factories import T0, claim, later, make_batch
 
 COUNTS = {"queued": 2, "transcribing": 8, "done": 5, "failed": 1, "cancelled": 0}
 

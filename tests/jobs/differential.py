@@ -37,8 +37,7 @@ from jobs.models import (
     Worker,
 )
 from jobs.tokens import TOKEN_PREFIX_LENGTH
-
-from ..factories import T0, make_batch
+from tests.support.factories import T0, make_batch
 
 BACKENDS = ("auto", "orm")  # the PostgreSQL statement backend, the ORM backend
 WORKERS = 3

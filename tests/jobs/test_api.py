@@ -12,8 +12,7 @@ from django.utils import timezone
 
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, Worker
-
-from ..factories import jobs_of, make_batch, snapshot
+from tests.support.factories import jobs_of, make_batch, snapshot
 
 pytestmark = pytest.mark.django_db
 

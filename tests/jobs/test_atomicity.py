@@ -12,8 +12,15 @@ from batches.models import Batch, BatchMinute
 from engine.reconcile import reconcile
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease
-
-from ..factories import T0, claim, failpoint, jobs_of, later, make_batch, snapshot
+from tests.support.factories import (
+    T0,
+    claim,
+    failpoint,
+    jobs_of,
+    later,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 

@@ -6,8 +6,7 @@ import pytest
 from engine.checks import find_violations
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
-
-from ..factories import claim, later, make_batch
+from tests.support.factories import claim, later, make_batch
 
 pytestmark = pytest.mark.django_db
 

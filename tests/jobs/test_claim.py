@@ -7,8 +7,7 @@ from engine.sweep import sweep
 from jobs import transitions
 from jobs.exceptions import TooManyLeases, WorkerDisabled
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd, Worker
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,

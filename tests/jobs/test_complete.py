@@ -5,8 +5,13 @@ from engine.sweep import sweep
 from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-
-from ..factories import assert_consistent, claim, later, make_batch, snapshot
+from tests.support.factories import (
+    assert_consistent,
+    claim,
+    later,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 

@@ -29,8 +29,7 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,

@@ -19,8 +19,8 @@ from django.core.management import CommandError, call_command
 from engine import archive as archives
 from engine.archive import ArchiveRefused, archive_path
 from engine.retention import purge
-
-from .test_purge import DAY, GONE, T0, finished_batch, rows_of
+from tests.support.factories import T0
+from tests.support.purge import DAY, GONE, finished_batch, rows_of
 
 pytestmark = pytest.mark.django_db
 

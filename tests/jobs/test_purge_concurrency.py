@@ -21,8 +21,7 @@ from batches.models import Batch, BatchCounter, BatchItem
 from bench import seed
 from jobs import transitions
 from jobs.models import Job, Lease, Tally
-
-from ..factories import T0, assert_consistent, claim, jobs_of, make_batch
+from tests.support.factories import T0, assert_consistent, claim, jobs_of, make_batch
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

@@ -4,8 +4,7 @@ from batches.models import Batch, BatchItem, ItemStatus
 from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,

@@ -8,8 +8,14 @@ from engine.reconcile import reconcile, sweep_state
 from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-
-from ..factories import T0, assert_consistent, claim, jobs_of, later, make_batch
+from tests.support.factories import (
+    T0,
+    assert_consistent,
+    claim,
+    jobs_of,
+    later,
+    make_batch,
+)
 
 pytestmark = pytest.mark.django_db
 

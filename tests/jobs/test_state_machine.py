@@ -36,8 +36,7 @@ from jobs.models import (
     LeaseEnd,
     Worker,
 )
-
-from ..factories import T0, make_batch
+from tests.support.factories import T0, make_batch
 
 WORKERS = 3
 ITEMS = 5

@@ -16,8 +16,7 @@ from api import worker_limits
 from api.waiter import WAITER_KEY, Waiter
 from api.worker_limits import MICRO, Table
 from jobs.models import Job, JobStatus
-
-from ..factories import WorkerClient, jobs_of, make_batch, make_worker
+from tests.support.factories import WorkerClient, jobs_of, make_batch, make_worker
 
 SECOND = MICRO  # the table's clock counts microseconds
 

@@ -13,8 +13,7 @@ from django.utils import timezone
 
 from engine import fleet
 from jobs import transitions
-
-from ..factories import T0, make_batch, make_worker
+from tests.support.factories import T0, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

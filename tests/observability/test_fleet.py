@@ -12,8 +12,7 @@ from engine import fleet
 from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Event
-
-from ..factories import T0, make_batch, make_worker
+from tests.support.factories import T0, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

@@ -21,9 +21,8 @@ from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Job, JobStatus, Worker
 from recall_site.metrics import render
-
-from ..factories import T0, claim, later, make_batch, make_worker
-from .conftest import by_label, samples
+from tests.support.factories import T0, claim, later, make_batch, make_worker
+from tests.support.metrics import by_label, samples
 
 pytestmark = pytest.mark.django_db
 

@@ -16,8 +16,7 @@ from django.utils import timezone
 from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Job, Worker
-
-from ..factories import make_batch, make_user, make_worker
+from tests.support.factories import make_batch, make_user, make_worker
 
 pytestmark = pytest.mark.django_db
 

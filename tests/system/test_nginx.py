@@ -24,9 +24,8 @@ from django.utils import timezone
 
 from batches.intake_records import Intake
 from jobs.models import JobStatus
-from tests.factories import jobs_of, make_batch, make_user, make_worker
-
-from .stack import (
+from tests.support.factories import jobs_of, make_batch, make_user, make_worker
+from tests.support.stack import (
     DEPLOY,
     PY,
     ROOT,

@@ -25,9 +25,13 @@ from django_q.tasks import async_task
 from batches.models import BatchItem, ItemStatus
 from jobs.models import Job, JobStatus, Lease
 from operator_api import tokens as api_tokens
-from tests.factories import assert_consistent, make_batch, make_user, make_worker
-
-from .stack import (
+from tests.support.factories import (
+    assert_consistent,
+    make_batch,
+    make_user,
+    make_worker,
+)
+from tests.support.stack import (
     PY,
     ROOT,
     Gunicorn,
@@ -249,7 +253,7 @@ def waiting_workers_seen(pks: list[int]) -> bool:
 def test_the_short_chaos_run_through_pgbouncer_loses_nothing():
     need("pgbouncer")
     result = subprocess.run(
-        [PY, "-m", "tests.chaos", "--pgbouncer", str(POOL), "--duration", "45",
+        [PY, "-m", "tests.system.chaos", "--pgbouncer", str(POOL), "--duration", "45",
          "--workers", "6", "--items", "400", "--lease", "3", "--kill-every", "3",
          "--drain", "120"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,

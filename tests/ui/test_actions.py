@@ -12,9 +12,8 @@ from django.utils import timezone
 from batches.models import Batch, BatchItem
 from jobs import transitions
 from jobs.models import Event, Job, Lease, LeaseEnd
-
-from ..factories import assert_consistent, claim, make_batch, make_worker
-from .conftest import client_for
+from tests.support.clients import client_for
+from tests.support.factories import assert_consistent, claim, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

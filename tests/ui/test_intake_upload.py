@@ -15,8 +15,7 @@ from batches.intake_records import Intake, IntakePhase, IntakeStatus
 from batches.models import Batch
 from engine import background_intake as background
 from engine.tasks import run_intake
-
-from ..factories import make_user
+from tests.support.factories import make_user
 
 pytestmark = pytest.mark.django_db
 

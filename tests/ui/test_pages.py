@@ -10,8 +10,7 @@ from django.utils import timezone
 from batches.models import Batch
 from jobs import transitions
 from jobs.models import Job
-
-from ..factories import claim, make_batch, make_worker
+from tests.support.factories import claim, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

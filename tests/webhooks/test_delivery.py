@@ -26,9 +26,8 @@ from jobs.models import (
     WebhookEndpoint,
     WebhookEvent,
 )
-
-from ..factories import T0, claim, later, make_batch, make_endpoint
-from ..receiver import Answer
+from tests.support.factories import T0, claim, later, make_batch, make_endpoint
+from tests.support.receiver import Answer
 
 pytestmark = pytest.mark.django_db
 

@@ -19,8 +19,7 @@ from django.core.management import CommandError, call_command
 from jobs import transitions
 from jobs import webhook_keys as keys
 from jobs.models import WebhookEndpoint
-
-from ..factories import T0, make_endpoint
+from tests.support.factories import T0, make_endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_KEY = "old-" + "Kq7vT2xZ" * 7

@@ -17,9 +17,8 @@ from cryptography.x509.oid import NameOID
 from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookAttempt, WebhookEvent
-
-from ..factories import T0, claim, make_batch, make_endpoint
-from ..receiver import Receiver
+from tests.support.factories import T0, claim, make_batch, make_endpoint
+from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.django_db
 

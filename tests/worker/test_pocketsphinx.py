@@ -19,9 +19,8 @@ from django.utils import timezone
 
 from engine.manifests import create_batch
 from jobs.models import Job, JobStatus
-
-from ..factories import jobs_of, make_worker
-from .conftest import ROOT, wait_for
+from tests.support.factories import jobs_of, make_worker
+from tests.support.worker import ROOT, wait_for
 
 ENGINE = ROOT / "examples" / "pocketsphinx_engine.py"
 SENTENCES = [
