@@ -218,11 +218,19 @@ class Gunicorn(Process):
 
     def reload(self) -> None:
         """gunicorn's graceful reload (SIGHUP): new processes, old ones finish;
-        returns once the new ones serve."""
+        returns once the new ones serve and the old ones are gone."""
         assert self.popen is not None
         self.booted = self.log.read_text().count("Booting worker")
+        exited = self.log.read_text().count("Worker exiting")
         os.kill(self.popen.pid, signal.SIGHUP)
         self.wait_healthy()
+        wait_for(
+            lambda: (
+                self.log.read_text().count("Worker exiting") >= exited + self.processes
+            ),
+            60,
+            f"{self.name}'s old processes to finish",
+        )
 
 
 def healthy(port: int) -> bool:

@@ -249,8 +249,8 @@ def waiting_workers_seen(pks: list[int]) -> bool:
 def test_the_short_chaos_run_through_pgbouncer_loses_nothing():
     need("pgbouncer")
     result = subprocess.run(
-        [PY, "-m", "tests.chaos", "--pgbouncer", str(POOL), "--duration", "20",
-         "--workers", "6", "--items", "240", "--lease", "3", "--kill-every", "3",
+        [PY, "-m", "tests.chaos", "--pgbouncer", str(POOL), "--duration", "30",
+         "--workers", "6", "--items", "300", "--lease", "3", "--kill-every", "3",
          "--drain", "120"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )  # fmt: skip

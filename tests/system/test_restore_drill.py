@@ -165,9 +165,9 @@ def test_a_restore_from_a_dump_taken_while_workers_ran(tmp_path):
         renv = {**env, "DATABASE_URL": restored}
         check = manage(renv, "recall_check")
         assert check.returncode == 0, check.stdout + check.stderr
+        processes.append(cluster(tmp_path, renv, "qcluster-restored"))
         web = Gunicorn(tmp_path, renv, processes=1, threads=4)
         processes.append(web)
-        processes.append(cluster(tmp_path, renv, "qcluster-restored"))
 
         # The webhook delivered after the dump is sent again, same id, by the
         # dispatcher the cluster's scheduler starts (within its first 30 s).
