@@ -325,6 +325,7 @@ class ThreadWorker(StockThreadWorker):
         self.most_waiting = WAITING_PER_THREAD * self.threads
         self.next_reap = 0.0
         self.next_backlog_look = 0.0
+        self.stopped_listening = False
         self.backlog_seen: dict = {}  # listener -> connections in it at the last look
         self.limits: Limits | None = None
         self.client_timeout = 10.0
@@ -739,6 +740,23 @@ class ThreadWorker(StockThreadWorker):
 
     def set_accept_enabled(self, enabled):
         super().set_accept_enabled(enabled and self._may_listen())
+        if not enabled and not self.alive and not self.stopped_listening:
+            self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        """Stopping: serve what already waits in the kernel's backlog, then
+        close this process's copy of the listening sockets at once, not after
+        the graceful timeout. Once every process of the server has (the
+        master closes its own first), a new connection is refused instead of
+        queued, and a proxy passes it to another node; one left queued would
+        be reset when the socket closed, after the proxy had sent its request
+        (nginx answers 502 and does not send a POST again). A graceful reload
+        keeps the socket open in the master and the new processes."""
+        self.stopped_listening = True
+        for listener in self.sockets:
+            listener.setblocking(False)
+            self._accept_from(listener, self.worker_connections, listening=False)
+            listener.close()
 
     def _may_listen(self) -> bool:
         """A thread other than the one kept for lease calls is free."""
