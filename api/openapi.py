@@ -283,6 +283,7 @@ BATCH = {
         "max_in_flight",
         "in_flight",
         "silent",
+        "retry",
     ],
     "properties": {
         "id": {"type": "integer"},
@@ -305,6 +306,19 @@ BATCH = {
             "description": "Of in_flight, the leases whose worker has not "
             "heartbeated for two heartbeat intervals (nobody is known to be "
             "working on them; they stay live until they expire or heartbeat).",
+        },
+        "retry": {
+            "type": "object",
+            "nullable": True,
+            "additionalProperties": False,
+            "required": ["waiting", "in_seconds"],
+            "properties": {
+                "waiting": {"type": "integer", "minimum": 1},
+                "in_seconds": {"type": "integer", "minimum": 0},
+            },
+            "description": "Set when no queued item can be claimed yet because "
+            "each waits out the backoff after a retryable failure: how many, "
+            "and seconds until the first may be claimed. Null otherwise.",
         },
     },
 }

@@ -145,7 +145,8 @@ def batch_json(batch: Batch, progress) -> dict:
 
 def _batch_answer(batch: Batch, now: datetime, status: int = 200, **extra: Any):
     batch.refresh_from_db()
-    body = {"batch": batch_json(batch, progress_for(batch, now=now)), **extra}
+    progress = progress_for(batch, now=now, retry=True)
+    body = {"batch": batch_json(batch, progress), **extra}
     return JsonResponse(body, status=status)
 
 
@@ -234,7 +235,7 @@ def batch_list(request: HttpRequest, user, *, now: datetime) -> HttpResponse:
         rows = rows.filter(pk__lt=cursor)
     page = list(rows[: limit + 1])
     more, page = len(page) > limit, page[:limit]
-    progress = progress_for_many(page, now=now)
+    progress = progress_for_many(page, now=now, retry=True)
     return JsonResponse(
         {
             "batches": [batch_json(b, progress[b.pk]) for b in page],
@@ -326,7 +327,7 @@ def batch_detail(
     request: HttpRequest, user, *, now: datetime, batch_id: int
 ) -> HttpResponse:
     batch = _batch(batch_id)
-    response = JsonResponse(batch_json(batch, progress_for(batch, now=now)))
+    response = JsonResponse(batch_json(batch, progress_for(batch, now=now, retry=True)))
     response["Cache-Control"] = "no-store"
     return response
 

@@ -20,6 +20,7 @@ from django.db.models import (
     Exists,
     ExpressionWrapper,
     Max,
+    Min,
     OuterRef,
     Q,
     QuerySet,
@@ -222,6 +223,24 @@ def format_duration(seconds: float | None) -> str:
     return f"{days} d {hours} h"
 
 
+def retry_in_seconds(first_due: datetime, now: datetime) -> int:
+    """Whole seconds until a backed-off item may be claimed again (rounded
+    up, at least 0)."""
+    return max(0, math.ceil((first_due - now).total_seconds()))
+
+
+@dataclass(frozen=True)
+class RetryWait:
+    """Queued items none of which may be claimed yet: each waits out the
+    backoff after a retryable failure (``available_at`` in the future)."""
+
+    waiting: int
+    in_seconds: int  # until the first of them may be claimed
+
+    def as_json(self) -> dict:
+        return {"waiting": self.waiting, "in_seconds": self.in_seconds}
+
+
 # --- Reading a batch's progress ---------------------------------------------------
 
 
@@ -243,6 +262,9 @@ class Progress:
     silent: int = 0
     # What ``throughput_per_minute`` is measured over, in words.
     throughput_window: str = ""
+    # Read for the JSON only (``retry=True``): set when every queued item waits
+    # out a retry backoff, so the batch waits for time, not for workers.
+    retry: RetryWait | None = None
 
     @property
     def eta_text(self) -> str:
@@ -293,17 +315,21 @@ class Progress:
             "in_flight": self.counts[ItemStatus.TRANSCRIBING],
             # Of in_flight, the leases whose worker stopped heartbeating.
             "silent": self.silent,
+            "retry": self.retry.as_json() if self.retry else None,
         }
 
 
-def progress_for(batch: Batch, *, now: datetime, chart: bool = False) -> Progress:
-    return progress_for_many([batch], now=now, chart=chart)[batch.pk]
+def progress_for(
+    batch: Batch, *, now: datetime, chart: bool = False, retry: bool = False
+) -> Progress:
+    return progress_for_many([batch], now=now, chart=chart, retry=retry)[batch.pk]
 
 
 def progress_for_many(
-    batches: list[Batch], *, now: datetime, chart: bool = False
+    batches: list[Batch], *, now: datetime, chart: bool = False, retry: bool = False
 ) -> dict[int, Progress]:
-    """Progress of several batches in three or four queries in all."""
+    """Progress of several batches in three or four queries in all; with
+    ``retry``, up to two more for those waiting out a retry backoff."""
     ids = [b.pk for b in batches]
     counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     columns = [
@@ -413,7 +439,46 @@ def progress_for_many(
             silent=silent.get(batch.pk, 0),
             throughput_window=throughput_window,
         )
+    if retry:
+        for batch_id, wait in retry_waits(result, now=now).items():
+            result[batch_id].retry = wait
     return result
+
+
+def retry_waits(
+    progress: dict[int, Progress], *, now: datetime
+) -> dict[int, RetryWait]:
+    """The batches whose queued items all wait out a retry backoff: none is
+    claimable now. First an index probe per batch with queued items (the claim
+    index, stopping at the first claimable job: the backed-off jobs ahead of
+    it are all it reads); then, for those with none, their queued jobs, which
+    are then only the backed-off ones (and any out of attempts)."""
+    queued = [
+        pk
+        for pk, p in progress.items()
+        if p.counts[ItemStatus.QUEUED]
+        and p.state not in (BatchState.PAUSED, BatchState.CANCELLED)
+    ]
+    if not queued:
+        return {}
+    blocked = list(
+        Batch.objects.filter(pk__in=queued)
+        .annotate(ready=Exists(Job.objects.claimable(now).filter(batch=OuterRef("pk"))))
+        .filter(ready=False)
+        .values_list("pk", flat=True)
+    )
+    if not blocked:
+        return {}
+    return {
+        batch_id: RetryWait(n, retry_in_seconds(first, now))
+        for batch_id, n, first in Job.objects.filter(
+            batch_id__in=blocked, status=JobStatus.QUEUED, available_at__gt=now
+        )
+        .values("batch_id")
+        .annotate(n=Count("pk"), first=Min("available_at"))
+        .values_list("batch_id", "n", "first")
+        .order_by()
+    }
 
 
 def _eta(

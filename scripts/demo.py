@@ -292,8 +292,10 @@ class Demo:
 
     def report_progress(self) -> None:
         from batches.models import BatchCounter
+        from jobs import fleet, transitions
 
         c = BatchCounter.objects.all().totals()
+        silent = fleet.silent_leases(transitions.now())
         states = ("queued", "transcribing", "done", "failed")
         total = sum(c[s] for s in states)
         hours = sum(c[f"{s}_ms"] for s in states) / 3.6e6
@@ -307,8 +309,10 @@ class Demo:
             minutes = remaining / ((ms1 - ms0) / (t1 - t0)) / 60
             eta = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
             left = f" · {eta} left at the last minute's pace"
+        quiet = f"{silent} silent (no heartbeat) · " if silent else ""
         say(
-            f"progress: {c['done']}/{total} done · {c['transcribing']} transcribing · "
+            f"progress: {c['done']}/{total} done · "
+            f"{c['transcribing'] - silent} transcribing · {quiet}"
             f"{c['queued']} queued · {c['failed']} failed · audio "
             f"{c['done_ms'] / 3.6e6:.1f} of {hours:.1f} h{left}"
         )

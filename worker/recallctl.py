@@ -274,7 +274,15 @@ def describe(batch: dict) -> str:
     if counts["cancelled"]:
         parts.append(f"{counts['cancelled']} cancelled")
     parts.append(f"{batch['in_flight']} in flight")
-    if batch["state"] not in FINAL_STATES and batch["eta_seconds"] is not None:
+    if batch.get("silent"):
+        parts.append(f"{batch['silent']} of them silent (no heartbeat)")
+    retry = batch.get("retry")  # servers before issue 27 do not send it
+    if retry and batch["state"] not in FINAL_STATES:
+        # Nothing can be claimed until a backoff ends: that is what we wait for.
+        parts.append(
+            f"{retry['waiting']} waiting to retry in {_duration(retry['in_seconds'])}"
+        )
+    elif batch["state"] not in FINAL_STATES and batch["eta_seconds"] is not None:
         parts.append(f"ETA {_duration(batch['eta_seconds'])}")
     return ", ".join(parts)
 

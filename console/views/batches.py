@@ -314,7 +314,8 @@ def batch_items_live(request: HttpRequest, pk: int) -> HttpResponse:
 @viewer_required
 def batch_progress(request: HttpRequest, pk: int) -> JsonResponse:
     batch = get_object_or_404(Batch, pk=pk)
-    response = JsonResponse(progress_for(batch, now=transitions.now()).as_json())
+    progress = progress_for(batch, now=transitions.now(), retry=True)
+    response = JsonResponse(progress.as_json())
     response["Cache-Control"] = "no-store"
     return response
 

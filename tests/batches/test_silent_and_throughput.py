@@ -9,6 +9,7 @@ import pytest
 
 from engine import fleet
 from engine.progress import (
+    RetryWait,
     apart_silent,
     is_silent,
     progress_for,
@@ -147,3 +148,36 @@ def test_the_overview_and_the_batch_give_the_same_throughput(worker):
         per_minute, window = fleet.throughput(later(seconds))
         assert per_minute == progress.throughput_per_minute
         assert window_text(window) == progress.throughput_window
+
+
+# --- Waiting out a retry backoff (item 8) -------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_batch_whose_queued_items_all_back_off_says_how_long(worker, settings):
+    settings.RECALL_RETRY_BACKOFF_SECONDS = 30
+    batch = make_batch(3, now=T0)
+    first = claim(worker, now=T0)
+    second = claim(worker, now=T0)
+    transitions.fail(first, first.lease_token, worker=worker, error="e", now=later(10))
+    transitions.fail(
+        second, second.lease_token, worker=worker, error="e", now=later(14)
+    )
+
+    # The third item can still be claimed: nothing to say.
+    assert progress_for(batch, now=later(15), retry=True).retry is None
+    third = claim(worker, now=later(15))
+    transitions.complete(
+        third, third.lease_token, worker=worker, result={"text": "t"}, now=later(16)
+    )
+
+    waiting = progress_for(batch, now=later(18), retry=True)
+    assert waiting.retry == RetryWait(waiting=2, in_seconds=22)  # due at 40 s
+    assert waiting.as_json()["retry"] == {"waiting": 2, "in_seconds": 22}
+    # Read only for the JSON, and gone once one may be claimed.
+    assert progress_for(batch, now=later(18)).retry is None
+    assert progress_for(batch, now=later(40), retry=True).retry is None
+    # A paused batch waits for its operator, not for time.
+    transitions.pause_batch(batch, now=later(20))
+    batch.refresh_from_db()
+    assert progress_for(batch, now=later(21), retry=True).retry is None

@@ -67,8 +67,9 @@ def test_a_submission_creates_the_batch_and_answers_its_progress(
         "weight": 2,
         "max_in_flight": 4,
         "in_flight": 0,
-        # Added by silent leases (issue 27).
+        # Added by silent leases and retry waits (issue 27).
         "silent": 0,
+        "retry": None,
     }
     assert (batch.priority, batch.weight, batch.max_in_flight) == (3, 2, 4)
     assert batch.created_by == operator

@@ -280,6 +280,7 @@ def test_the_readme_quick_start_works_as_printed(tmp_path):
         create_worker, write_manifest, create_batch, start_worker = second
         token = sandbox.run(create_worker).stdout.strip().splitlines()[-1]
         sandbox.run(write_manifest)
+        assert not (root / "manifest.txt").exists()  # not into the checkout
         batch = int(sandbox.run(create_batch).stdout.strip().splitlines()[-1])
         assert "<token>" in start_worker
         worker = sandbox.start(start_worker.replace("<token>", token), worker_log)

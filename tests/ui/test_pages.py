@@ -181,8 +181,9 @@ def test_progress_json(viewer_client, worker):
         "weight",
         "max_in_flight",
         "in_flight",
-        # Added by silent leases (issue 27).
+        # Added by silent leases and retry waits (issue 27).
         "silent",
+        "retry",
     }
     assert (body["batch"], body["state"], body["total"], body["percent_done"]) == (
         batch.pk,

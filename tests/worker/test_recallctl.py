@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,29 @@ def test_errors_are_one_line_and_exit_4(recallctl, tmp_path, live_server):
     assert nowhere.stderr.startswith(
         "recallctl: error: cannot reach http://127.0.0.1:9"
     )
+
+
+def test_wait_says_when_the_batch_waits_for_a_retry_backoff(
+    recallctl, settings, worker
+):
+    """Issue 27, item 8: the last item waits out its backoff; recallctl says
+    so instead of an ETA."""
+    from jobs import transitions
+
+    from ..factories import claim, make_batch
+
+    settings.RECALL_RETRY_BACKOFF_SECONDS = 30
+    batch = make_batch(2, name="calls", now=transitions.now())
+    done = claim(worker, now=transitions.now())
+    transitions.complete(done, done.lease_token, worker=worker, result={"text": "x"})
+    failed = claim(worker, now=transitions.now())
+    transitions.fail(failed, failed.lease_token, worker=worker, error="GPU hiccup")
+
+    shown = recallctl("status", str(batch.pk))
+
+    assert shown.returncode == 0, shown.stderr
+    assert re.fullmatch(
+        rf"batch {batch.pk} 'calls': running, 1/2 done \(50%\), 0 in flight, "
+        r"1 waiting to retry in (29|30)s\n",
+        shown.stdout,
+    ), shown.stdout
