@@ -112,6 +112,17 @@ def segments(counts: dict[str, int], total: int) -> list[tuple[str, int, float]]
     return [(s, counts[s], percent(counts[s], total)) for s in SEGMENT_ORDER]
 
 
+def bar_geometry(segments: list[tuple[str, int, float]]) -> list[dict]:
+    """The non-empty segments with where each starts (x) and how wide it is,
+    in percent of the bar: geometry for an SVG, which needs no inline style."""
+    x, bar = 0.0, []
+    for status, count, pct in segments:
+        if count:
+            bar.append({"status": status, "count": count, "x": x, "width": pct})
+            x += pct
+    return bar
+
+
 def window_seconds(
     now: datetime, window_start: datetime, created_at: datetime
 ) -> float:
@@ -212,14 +223,7 @@ class Progress:
 
     @property
     def bar(self) -> list[dict]:
-        """The non-empty segments with where each starts (x) and how wide it is,
-        in percent of the bar: geometry for an SVG, which needs no inline style."""
-        x, bar = 0.0, []
-        for status, count, pct in self.segments:
-            if count:
-                bar.append({"status": status, "count": count, "x": x, "width": pct})
-                x += pct
-        return bar
+        return bar_geometry(self.segments)
 
     def as_json(self) -> dict:
         return {

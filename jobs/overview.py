@@ -19,7 +19,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from batches.live import fragment
-from batches.progress import BatchState, chart_geometry, segments
+from batches.progress import BatchState, bar_geometry, chart_geometry, segments
 from batches.roles import viewer_required
 
 from . import fleet, transitions
@@ -42,6 +42,10 @@ class Items:
     @property
     def segments(self) -> list[tuple[str, int, float]]:
         return segments(self.counts, self.total)
+
+    @property
+    def bar(self) -> list[dict]:
+        return bar_geometry(self.segments)
 
 
 def _context(now: datetime) -> dict:
