@@ -6,6 +6,7 @@ from jobs import api, overview, views
 from operator_api import openapi
 from operator_api import pages as token_pages
 from operator_api import views as operator_api
+from recall_site.views import favicon
 
 urlpatterns = [
     path("api/v1/claim", api.claim, name="api-claim"),
@@ -39,12 +40,14 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("workers/", views.worker_list, name="worker-list"),
+    path("workers/live", views.worker_list_live, name="worker-list-live"),
     path("api-tokens/", token_pages.token_list, name="api-tokens"),
     path(
         "api-tokens/<int:pk>/revoke", token_pages.token_revoke, name="api-token-revoke"
     ),
     path("overview/", overview.overview, name="overview"),
     path("overview/live", overview.overview_live, name="overview-live"),
+    path("favicon.ico", favicon, name="favicon"),
     path("", include("batches.urls")),
 ]
 
