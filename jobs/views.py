@@ -1,4 +1,5 @@
-"""The workers page: who is working, on what, and how reliably."""
+"""The workers page: who is working, on what, and how reliably, refreshed in
+place like the other pages."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from batches.live import fragment
 from batches.roles import viewer_required
 
 from . import transitions
@@ -33,6 +35,18 @@ def _ended(reason: str):
 def worker_list(request: HttpRequest) -> HttpResponse:
     """Each worker with its live leases and how its past leases ended; a box
     whose leases keep expiring stands out."""
+    return render(request, "jobs/workers.html", _context())
+
+
+@require_GET
+@viewer_required
+def worker_list_live(request: HttpRequest) -> HttpResponse:
+    """The workers table alone, which the page's script swaps in place."""
+    response = render(request, "jobs/_workers_live.html", _context())
+    return fragment(response, final=False)
+
+
+def _context() -> dict:
     workers = (
         Worker.objects.annotate(
             completed=_ended(LeaseEnd.COMPLETED),
@@ -69,14 +83,10 @@ def worker_list(request: HttpRequest) -> HttpResponse:
                 "flaky": is_flaky(worker.expired, ended),
             }
         )
-    return render(
-        request,
-        "jobs/workers.html",
-        {
-            "rows": rows,
-            "now": transitions.now(),
-            "nav": "workers",
-            "flaky_min_expired": FLAKY_MIN_EXPIRED,
-            "flaky_share": FLAKY_SHARE,
-        },
-    )
+    return {
+        "rows": rows,
+        "now": transitions.now(),
+        "nav": "workers",
+        "flaky_min_expired": FLAKY_MIN_EXPIRED,
+        "flaky_share": FLAKY_SHARE,
+    }
