@@ -116,9 +116,12 @@ def bar_geometry(segments: list[tuple[str, int, float]]) -> list[dict]:
     """The non-empty segments with where each starts (x) and how wide it is,
     in percent of the bar: geometry for an SVG, which needs no inline style."""
     x, bar = 0.0, []
-    for status, count, pct in segments:
+    last = max((i for i, (_, count, _) in enumerate(segments) if count), default=-1)
+    for i, (status, count, pct) in enumerate(segments):
         if count:
-            bar.append({"status": status, "count": count, "x": x, "width": pct})
+            # The percentages are rounded: the last segment ends the bar.
+            width = 100.0 - x if i == last else pct
+            bar.append({"status": status, "count": count, "x": x, "width": width})
             x += pct
     return bar
 
