@@ -378,6 +378,8 @@ def test_the_batch_page_has_one_bar_and_charts_with_axes(open_page, live_server)
     assert abs(first["x"] - plot["x"]) <= 1  # under the chart's left edge
     assert abs(last["x"] + last["width"] - (plot["x"] + plot["width"])) <= 1
     assert first["y"] >= plot["y"] + plot["height"]  # below it
+    middle = x_axis.nth(1).bounding_box()
+    assert abs(middle["x"] + middle["width"] / 2 - (plot["x"] + plot["width"] / 2)) <= 1
     y_axis = chart.locator("[data-axis=y] span")
     top = int(re.sub(r"\D", "", y_axis.first.inner_text()))
     expect(y_axis).to_have_text([f"{top}/min", "0"])
