@@ -46,7 +46,6 @@ from .models import Batch, BatchItem
 from .progress import (
     BatchState,
     Progress,
-    format_duration,
     in_state,
     progress_for,
     progress_for_many,
@@ -254,11 +253,15 @@ class BatchAdmin(admin.ModelAdmin):
 
     @admin.display(description="throughput")
     def throughput(self, batch: Any) -> str:
-        return f"{batch.progress.throughput_per_minute:.1f}/min"
+        return format_html(
+            '<span title="items done per minute, {}">{}/min</span>',
+            batch.progress.throughput_window,
+            f"{batch.progress.throughput_per_minute:.1f}",
+        )
 
     @admin.display(description="ETA")
     def eta(self, batch: Any) -> str:
-        return format_duration(batch.progress.eta_seconds)
+        return batch.progress.eta_text
 
     @admin.display(description="progress")
     def live_progress(self, batch: Batch) -> str:

@@ -29,8 +29,8 @@ from django.db.models import F, Q
 
 from jobs import transitions
 
-from .intake import ManifestInvalid, check_name, create_batch
-from .intakes import Intake, IntakeChunk, IntakePhase, IntakeStatus
+from .intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
+from .manifests import ManifestInvalid, check_name, create_batch
 from .models import Batch
 
 log = logging.getLogger("recall.intake")

@@ -4,7 +4,7 @@ from django import forms
 from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 
-from .intake import MAX_NAME_CHARS
+from .manifests import MAX_NAME_CHARS
 from .models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 
 

@@ -29,6 +29,7 @@ from django.db.models import (
 from django.db.models.functions import Coalesce
 
 from jobs.models import Job, JobStatus
+from jobs.transitions.rules import silent_after
 
 from .models import Batch, BatchCounter, BatchMinute, ItemStatus
 
@@ -97,19 +98,66 @@ def percent(part: int, total: int) -> float:
     return round(100 * part / total, 1) if total > 0 else 0.0
 
 
+def throughput_per_minute(finished: float, seconds: float) -> float:
+    """Items per minute, to one decimal, over a window of ``seconds``: the one
+    throughput figure every page shows (0.0 when nothing finished)."""
+    rate = rate_per_second(finished, seconds)
+    return round(rate * 60, 1) if rate else 0.0
+
+
+def window_text(seconds: float) -> str:
+    """The window a throughput figure is measured over, in words."""
+    if seconds // 60 == 60:
+        return "last hour"
+    return f"last {format_duration(seconds)}"
+
+
+def run_text(seconds: float) -> str:
+    """The window of a finished batch's throughput: its whole run."""
+    return f"average over its {format_duration(seconds)} run"
+
+
+# Items whose lease is silent: in the transcribing state, but the worker has
+# not heartbeated for two heartbeat intervals (jobs.transitions.rules.silent_after).
+SILENT = "silent"
+
 # The segmented bar's order: finished first, then in flight, waiting, cancelled.
 SEGMENT_ORDER = (
     ItemStatus.DONE,
     ItemStatus.FAILED,
     ItemStatus.TRANSCRIBING,
+    SILENT,
     ItemStatus.QUEUED,
     ItemStatus.CANCELLED,
 )
 
 
-def segments(counts: dict[str, int], total: int) -> list[tuple[str, int, float]]:
-    """(status, count, percent of total) for a segmented bar of items."""
-    return [(s, counts[s], percent(counts[s], total)) for s in SEGMENT_ORDER]
+def apart_silent(counts: dict[str, int], silent: int) -> dict[str, int]:
+    """Item counts as shown: the silent leases apart from transcribing."""
+    silent = min(max(silent, 0), counts[ItemStatus.TRANSCRIBING])
+    return {
+        **counts,
+        ItemStatus.TRANSCRIBING: counts[ItemStatus.TRANSCRIBING] - silent,
+        SILENT: silent,
+    }
+
+
+def segments(
+    counts: dict[str, int], total: int, silent: int = 0
+) -> list[tuple[str, int, float]]:
+    """(status, count, percent of total) for a segmented bar of items, silent
+    leases apart from transcribing (and listed only when there are some)."""
+    shown = apart_silent(counts, silent)
+    return [
+        (s, shown[s], percent(shown[s], total))
+        for s in SEGMENT_ORDER
+        if s != SILENT or shown[s]
+    ]
+
+
+def is_silent(heartbeat_at: datetime | None, now: datetime, after: timedelta) -> bool:
+    """A live lease whose worker has not heartbeated for ``after``."""
+    return heartbeat_at is not None and now - heartbeat_at > after
 
 
 def bar_geometry(segments: list[tuple[str, int, float]]) -> list[dict]:
@@ -206,6 +254,17 @@ class Progress:
     stalled: bool
     last_activity: datetime | None
     chart: list[tuple[datetime, int]] = field(default_factory=list)
+    # Live leases of this batch whose worker stopped heartbeating (SILENT).
+    silent: int = 0
+    # What ``throughput_per_minute`` is measured over, in words.
+    throughput_window: str = ""
+
+    @property
+    def eta_text(self) -> str:
+        """The ETA as shown: none once nothing is left to do."""
+        if self.state == BatchState.FINISHED and self.eta_seconds == 0:
+            return "—"
+        return format_duration(self.eta_seconds)
 
     @property
     def remaining(self) -> int:
@@ -222,7 +281,7 @@ class Progress:
     @property
     def segments(self) -> list[tuple[str, int, float]]:
         """(status, count, percent of total) for the segmented bar."""
-        return segments(self.counts, self.total)
+        return segments(self.counts, self.total, self.silent)
 
     @property
     def bar(self) -> list[dict]:
@@ -240,6 +299,8 @@ class Progress:
             "weight": self.batch.weight,
             "max_in_flight": self.batch.max_in_flight,
             "in_flight": self.counts[ItemStatus.TRANSCRIBING],
+            # Of in_flight, the leases whose worker stopped heartbeating.
+            "silent": self.silent,
         }
 
 
@@ -295,13 +356,19 @@ def progress_for_many(
         .values_list("batch_id", "last")
         .order_by()
     )
-    last_heartbeat = dict(
+    silent_before = now - silent_after()
+    last_heartbeat, silent = {}, {}
+    for batch_id, last, n in (
         Job.objects.filter(batch_id__in=ids, status=JobStatus.LEASED)
         .values("batch_id")
-        .annotate(last=Max("heartbeat_at"))
-        .values_list("batch_id", "last")
+        .annotate(
+            last=Max("heartbeat_at"),
+            silent=Count("pk", filter=Q(heartbeat_at__lt=silent_before)),
+        )
+        .values_list("batch_id", "last", "silent")
         .order_by()
-    )
+    ):
+        last_heartbeat[batch_id], silent[batch_id] = last, n
 
     stall_after = timedelta(seconds=settings.RECALL_STALLED_AFTER_SECONDS)
     result = {}
@@ -328,8 +395,16 @@ def progress_for_many(
             stalled=stalled,
         )
         seconds = window_seconds(now, rate_start, batch.created_at)
-        done_rate = rate_per_second(f["done"], seconds)
         eta, basis = _eta(batch, state, c, f, seconds)
+        if state == BatchState.FINISHED:
+            # Fixed once finished: its whole run, up to the finishing moment.
+            end = batch.finished_at or last_activity or now
+            run = (end - batch.created_at).total_seconds()
+            throughput = throughput_per_minute(c[ItemStatus.DONE], run)
+            throughput_window = run_text(run)
+        else:
+            throughput = throughput_per_minute(f["done"], seconds)
+            throughput_window = window_text(seconds)
         result[batch.pk] = Progress(
             batch=batch,
             now=now,
@@ -337,12 +412,14 @@ def progress_for_many(
             state=state,
             total=batch.total,
             percent_done=percent(c[ItemStatus.DONE], batch.total),
-            throughput_per_minute=round(done_rate * 60, 1) if done_rate else 0.0,
+            throughput_per_minute=throughput,
             eta_seconds=eta,
             eta_basis=basis,
             stalled=state == BatchState.STALLED,
             last_activity=last_activity,
             chart=chart_bars(done_by_minute[batch.pk], now, 60) if chart else [],
+            silent=silent.get(batch.pk, 0),
+            throughput_window=throughput_window,
         )
     return result
 

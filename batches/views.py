@@ -46,9 +46,9 @@ from jobs.models import (
 
 from .background import stale_after, start_intake
 from .forms import ItemFilterForm, NewBatchForm, ShareForm
-from .intake import LineError, ManifestInvalid, create_batch
-from .intakes import Intake, IntakeStatus
+from .intake_records import Intake, IntakeStatus
 from .live import fragment
+from .manifests import LineError, ManifestInvalid, create_batch
 from .models import Batch, BatchItem, ItemStatus
 from .numbers import MAX_ID, whole_number
 from .progress import (

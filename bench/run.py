@@ -1087,7 +1087,7 @@ def idle_fleet(bench: Bench) -> None:
     worker does (poll-min 1 s, poll-max 30 s, jittered)."""
     import random
 
-    from batches.intake import create_batch
+    from batches.manifests import create_batch
     from batches.models import Batch
     from bench.fleet import Fleet
     from bench.loops import utcnow
@@ -1266,7 +1266,7 @@ def purge_while_claiming(bench: Bench) -> None:
 
 def long_poll(bench: Bench) -> None:
     """15: idle workers long-polling an empty queue, then a batch for all of them."""
-    from batches.intake import create_batch
+    from batches.manifests import create_batch
     from batches.models import Batch
     from bench import seed
     from bench.long_poll import LongPollFleet

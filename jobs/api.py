@@ -26,7 +26,7 @@ from django.views.decorators.csrf import csrf_exempt
 from batches.numbers import is_number, shown
 
 from . import transitions, worker_limits
-from .exceptions import LeaseLost, TooManyLeases
+from .exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from .jsonapi import (
     ApiError,
     bad_request,
@@ -83,6 +83,8 @@ def worker_endpoint(view: Callable[..., HttpResponse]) -> Callable[..., HttpResp
                 str(error),
                 {"Retry-After": str(heartbeat_interval())},
             )
+        except WorkerDisabled as error:  # disabled after it was authenticated
+            return error_response(403, "forbidden", str(error))
         # A lost database connection becomes a 503 in DatabaseUnavailableMiddleware.
 
     return observed(wrapper)
@@ -265,7 +267,7 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
         # its own).
         try:
             job = transitions.claim_next(worker, max_leases=cap)
-        except TooManyLeases:
+        except (TooManyLeases, WorkerDisabled):
             yield None
             continue
         if job is None:

@@ -24,8 +24,11 @@ from batches.progress import (
     count_states,
     minute_floor,
     progress_for_many,
+    throughput_per_minute,
+    window_seconds,
 )
 
+from . import transitions
 from .models import (
     ITEM_STATUS_FOR_JOB,
     Event,
@@ -37,9 +40,20 @@ from .models import (
     Tally,
     Worker,
 )
+from .transitions import rules
 
-# The workers page flags a worker "flaky" when at least this many of its leases
-# expired, and they are at least this share (percent) of its finished leases.
+# The workers page flags a worker "flaky" when its leases ran out at
+# FLAKY_INCIDENTS separate times within FLAKY_WINDOW (leases that run out within
+# one lease length of each other are one incident: one crash takes all the
+# leases a worker holds); or, over its whole history, when at least
+# FLAKY_MIN_EXPIRED of its leases expired and they are at least FLAKY_SHARE
+# percent of its finished leases. The first catches a box that crashes every
+# few minutes however much it completes in between (the demo's gpu-flaky, killed
+# every 45 s, at its third kill); a healthy worker has no expired leases, and
+# one outage that expires all of a worker's leases at once is one incident.
+FLAKY_INCIDENTS = 3
+FLAKY_WINDOW = timedelta(hours=1)
+FLAKY_WINDOW_WORDS = "the last hour"  # FLAKY_WINDOW, as the pages say it
 FLAKY_MIN_EXPIRED = 3
 FLAKY_SHARE = 20
 
@@ -143,6 +157,27 @@ def oldest_queued_age(now: datetime) -> float:
     return max(0.0, (now - oldest).total_seconds()) if oldest else 0.0
 
 
+def silent_leases(now: datetime) -> int:
+    """Live leases whose worker has not heartbeated for two heartbeat
+    intervals (``rules.silent_after``): shown apart from transcribing. The
+    live leases only (the lease-expiry index holds them)."""
+    return Job.objects.filter(
+        status=JobStatus.LEASED, heartbeat_at__lt=now - rules.silent_after()
+    ).count()
+
+
+def throughput(now: datetime) -> tuple[float, float]:
+    """(items done per minute, over how many seconds), all batches, over the
+    last hour (the chart's window) or since the first batch was created if
+    that is less: the batch pages' figure (``batches.progress``'s
+    ``throughput_per_minute``, whose windows are capped the same way)."""
+    start = minute_floor(now - CHART_WINDOW)
+    first = Batch.objects.order_by("pk").values_list("created_at", flat=True).first()
+    seconds = window_seconds(now, start, first or now)
+    done = BatchMinute.objects.filter(minute__gte=start).aggregate(n=Sum("done"))["n"]
+    return throughput_per_minute(done or 0, seconds), seconds
+
+
 def leases_past_expiry(now: datetime) -> int:
     """Live leases whose expiry has passed: the next claim or sweep reclaims
     them (the reclaim index holds only leased jobs)."""
@@ -199,9 +234,37 @@ def expired_share(expired: int, ended: int) -> int:
     return round(100 * expired / ended) if ended > 0 else 0
 
 
-def is_flaky(expired: int, ended: int) -> bool:
-    """A worker whose leases keep running out (crashes, power, network)."""
-    return expired >= FLAKY_MIN_EXPIRED and expired_share(expired, ended) >= FLAKY_SHARE
+def incidents(expiries: list[datetime], apart: timedelta) -> int:
+    """How many separate times leases ran out: an expiry more than ``apart``
+    after the first of the current incident starts a new one."""
+    count, first = 0, None
+    for moment in sorted(expiries):
+        if first is None or moment - first > apart:
+            count, first = count + 1, moment
+    return count
+
+
+def is_flaky(expired: int, ended: int, recent_incidents: int = 0) -> bool:
+    """A worker whose leases keep running out (crashes, power, network): see
+    ``FLAKY_INCIDENTS``."""
+    return recent_incidents >= FLAKY_INCIDENTS or (
+        expired >= FLAKY_MIN_EXPIRED and expired_share(expired, ended) >= FLAKY_SHARE
+    )
+
+
+def recent_incidents(now: datetime) -> dict[int, int]:
+    """Worker id -> incidents of expired leases reclaimed in the last
+    ``FLAKY_WINDOW``, grouped by when the leases ran out (``expires_at``).
+    The ledger's index on abnormal endings: a few rows an hour."""
+    expiries: dict[int, list[datetime]] = {}
+    for worker_id, expires_at, ended_at in Lease.objects.filter(
+        end_reason=LeaseEnd.EXPIRED, ended_at__gte=now - FLAKY_WINDOW
+    ).values_list("worker", "expires_at", "ended_at"):
+        moment = expires_at or ended_at
+        if moment is not None:
+            expiries.setdefault(worker_id, []).append(moment)
+    apart = rules.lease_duration()
+    return {pk: incidents(times, apart) for pk, times in expiries.items()}
 
 
 @dataclass(frozen=True)
@@ -209,19 +272,22 @@ class FlakyWorker:
     worker: Worker
     expired: int
     ended: int
+    incidents: int = 0  # in the last FLAKY_WINDOW
 
     @property
     def share(self) -> int:
         return expired_share(self.expired, self.ended)
 
 
-def flaky_workers() -> list[FlakyWorker]:
+def flaky_workers(now: datetime | None = None) -> list[FlakyWorker]:
     """The workers the workers page flags flaky, most expired leases first.
 
     Only workers with enough expired leases to qualify are looked at further
     (expired rows are few, and indexed), so the ledger's millions of completed
-    rows are counted for those few workers only.
+    rows are counted for those few workers only. ``now``: the database's
+    clock unless given.
     """
+    recent = recent_incidents(transitions.now() if now is None else now)
     expired = dict(
         Lease.objects.filter(end_reason=LeaseEnd.EXPIRED)
         .values("worker")
@@ -241,9 +307,9 @@ def flaky_workers() -> list[FlakyWorker]:
     )
     workers = Worker.objects.in_bulk(list(expired))
     flaky = [
-        FlakyWorker(workers[pk], n, ended.get(pk, 0))
+        FlakyWorker(workers[pk], n, ended.get(pk, 0), recent.get(pk, 0))
         for pk, n in expired.items()
-        if is_flaky(n, ended.get(pk, 0))
+        if is_flaky(n, ended.get(pk, 0), recent.get(pk, 0))
     ]
     return sorted(flaky, key=lambda f: (-f.expired, f.worker.name))
 

@@ -19,11 +19,18 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from batches.live import fragment
-from batches.progress import BatchState, bar_geometry, chart_geometry, segments
+from batches.progress import (
+    BatchState,
+    bar_geometry,
+    chart_geometry,
+    segments,
+    window_text,
+)
 from batches.roles import viewer_required
 
 from . import fleet, transitions
 from .models import item_status_for
+from .transitions import rules
 
 # Open batches listed; the batch list has them all.
 OPEN_BATCHES_SHOWN = 20
@@ -34,6 +41,7 @@ class Items:
     """Every item of every batch by state, for the segmented bar and legend."""
 
     counts: dict[str, int]
+    silent: int = 0  # of the transcribing, those whose lease is silent
 
     @property
     def total(self) -> int:
@@ -41,7 +49,7 @@ class Items:
 
     @property
     def segments(self) -> list[tuple[str, int, float]]:
-        return segments(self.counts, self.total)
+        return segments(self.counts, self.total, self.silent)
 
     @property
     def bar(self) -> list[dict]:
@@ -54,19 +62,25 @@ def _context(now: datetime) -> dict:
     in_progress = [p for p in open_batches if p.state != BatchState.FINISHED]
     bars = fleet.done_per_minute(now)
     sweep_age = fleet.last_sweep_age(now)
+    silent = fleet.silent_leases(now)
+    per_minute, rate_seconds = fleet.throughput(now)
     return {
         "now": now,
-        "items": Items({item_status_for(job): n for job, n in jobs.items()}),
+        "items": Items({item_status_for(job): n for job, n in jobs.items()}, silent),
         "in_flight": jobs["leased"],
+        "silent": silent,
+        "silent_after": rules.silent_after().total_seconds(),
         "past_expiry": fleet.leases_past_expiry(now),
         "oldest_queued": fleet.oldest_queued_age(now),
         "chart": chart_geometry(bars),
-        "per_minute": sum(n for _, n in bars) / len(bars),
+        "per_minute": per_minute,
+        "throughput_window": window_text(rate_seconds),
         "endings": fleet.lease_endings(now),
         "repairs": fleet.repairs(now),
         "workers": fleet.worker_states(now),
         "seen_within": fleet.seen_recently().total_seconds(),
-        "flaky": fleet.flaky_workers(),
+        "flaky": fleet.flaky_workers(now),
+        "flaky_window": fleet.FLAKY_WINDOW_WORDS,
         "batch_states": fleet.batch_states(now),
         "rows": in_progress[:OPEN_BATCHES_SHOWN],
         "more_batches": max(0, len(in_progress) - OPEN_BATCHES_SHOWN),

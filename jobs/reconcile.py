@@ -169,7 +169,7 @@ def _scan_jobs(report: ReconcileReport, *, now: datetime, budget: int | None) ->
 def _heal_scanned(report: ReconcileReport, job_id: int, *, now: datetime) -> None:
     report.items_healed += transitions.heal_item(job_id, now=now)
     report.exhausted_failed += transitions.fail_exhausted(job_id, now=now)
-    report.batches_reopened += transitions.reopen_batch(job_id, now=now)
+    report.batches_reopened += transitions.reopen_batch_of(job_id, now=now)
 
 
 def sweep_state() -> SweepState:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
+from django_q.tasks import async_task
+
 from .sweep import sweep as run_sweep
-from .webhooks.delivery import dispatch
+from .webhooks.delivery import DISPATCH_TASK, dispatch, seconds_until_due
+
+log = logging.getLogger("recall.webhooks")
 
 
 def sweep() -> dict:
@@ -21,3 +27,18 @@ def dispatch_webhooks(handover: str = "") -> dict:
     """The dispatcher: scheduled every minute (``recall-webhooks``), or queued
     by the previous one as its successor (``handover``)."""
     return dispatch(handover=handover).as_dict()
+
+
+def cluster_worker_started(sender: object = None, **kwargs: object) -> None:
+    """A cluster worker process started (the cluster starting, or a worker
+    reincarnated after a crash; django-q2's ``post_spawn``): queue a
+    dispatcher if an attempt falls due soon, so a delivery a killed cluster
+    interrupted is made again within seconds of its lease running out, not at
+    the next scheduled run (up to a minute and a half later). Several workers
+    starting queue several: all but one return at once. Never raises: a
+    worker must start whatever the database says."""
+    try:
+        if seconds_until_due() is not None:
+            async_task(DISPATCH_TASK)
+    except Exception:
+        log.exception("could not queue the webhook dispatcher at start-up")

@@ -12,9 +12,10 @@ from django.views.decorators.http import require_GET
 from batches.live import fragment
 from batches.roles import viewer_required
 
-from . import transitions
-from .fleet import FLAKY_MIN_EXPIRED, FLAKY_SHARE, expired_share, is_flaky
+from . import fleet, transitions
+from .fleet import expired_share, is_flaky
 from .models import Job, JobStatus, Lease, LeaseEnd, Worker
+from .transitions import rules
 
 
 def _ended(reason: str):
@@ -73,6 +74,8 @@ def _context() -> dict:
         )
         .order_by("-is_active", "name")
     )
+    now = transitions.now()
+    recent = fleet.recent_incidents(now)
     rows = []
     for worker in workers:
         ended = worker.lease_count - len(worker.current_jobs.all())
@@ -80,13 +83,17 @@ def _context() -> dict:
             {
                 "worker": worker,
                 "expired_share": expired_share(worker.expired, ended),
-                "flaky": is_flaky(worker.expired, ended),
+                "incidents": recent.get(worker.pk, 0),
+                "flaky": is_flaky(worker.expired, ended, recent.get(worker.pk, 0)),
             }
         )
     return {
         "rows": rows,
-        "now": transitions.now(),
+        "now": now,
         "nav": "workers",
-        "flaky_min_expired": FLAKY_MIN_EXPIRED,
-        "flaky_share": FLAKY_SHARE,
+        "flaky_incidents": fleet.FLAKY_INCIDENTS,
+        "flaky_window": fleet.FLAKY_WINDOW_WORDS,
+        "lease_seconds": rules.lease_duration().total_seconds(),
+        "flaky_min_expired": fleet.FLAKY_MIN_EXPIRED,
+        "flaky_share": fleet.FLAKY_SHARE,
     }

@@ -283,6 +283,7 @@ BATCH = {
         "weight",
         "max_in_flight",
         "in_flight",
+        "silent",
     ],
     "properties": {
         "id": {"type": "integer"},
@@ -299,6 +300,13 @@ BATCH = {
         "weight": {"type": "integer", "minimum": 1, "maximum": MAX_WEIGHT},
         "max_in_flight": {"type": "integer", "nullable": True},
         "in_flight": {"type": "integer", "minimum": 0},
+        "silent": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "Of in_flight, the leases whose worker has not "
+            "heartbeated for two heartbeat intervals (nobody is known to be "
+            "working on them; they stay live until they expire or heartbeat).",
+        },
     },
 }
 ITEM = {

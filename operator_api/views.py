@@ -22,7 +22,7 @@ from django.http.response import HttpResponseBase
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 
-from batches.intake import (
+from batches.manifests import (
     MAX_REPORTED_ERRORS,
     ItemsInvalid,
     ManifestInvalid,

@@ -295,7 +295,7 @@ RECALL_TRANSITIONS_BACKEND = env.str("RECALL_TRANSITIONS_BACKEND", default="auto
 if RECALL_TRANSITIONS_BACKEND not in ("auto", "orm"):
     raise ImproperlyConfigured("RECALL_TRANSITIONS_BACKEND must be auto or orm.")
 # PostgreSQL: prepare the claim's and completion's statements once per connection
-# (jobs/transitions/statements.py). Turn off behind a pooler that cannot keep
+# (jobs/transitions/backends/statements.py). Turn off behind a pooler that cannot keep
 # prepared statements (PgBouncer in transaction mode before 1.21).
 RECALL_PREPARED_STATEMENTS = env.bool("RECALL_PREPARED_STATEMENTS", default=True)
 RECALL_LEASE_SECONDS = env.int("RECALL_LEASE_SECONDS", default=60)

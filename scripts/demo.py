@@ -32,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO
 
@@ -115,7 +116,7 @@ def set_up() -> tuple[str, dict[str, str]]:
     from django.core.management import call_command
     from django.db import connections
 
-    from batches.intake import create_batch, file_lines
+    from batches.manifests import create_batch, file_lines
     from jobs import transitions
 
     say("migrating the demo database and collecting static files ...")
@@ -249,7 +250,7 @@ class Demo:
         self.next_kill = time.monotonic() + self._kill_interval()
         self.restart_at: float | None = None
         self.next_progress = time.monotonic() + PROGRESS_EVERY
-        self.last_lease_id = 0
+        self.reclaims = ReclaimWatch()
         self.done_history: list[tuple[float, int]] = []
         self.finished = False
         self.stop_requested = False
@@ -333,23 +334,8 @@ class Demo:
         )
 
     def report_reclaims(self) -> None:
-        from jobs.models import Lease, LeaseEnd
-
-        expired = Lease.objects.filter(
-            pk__gt=self.last_lease_id, end_reason=LeaseEnd.EXPIRED
-        ).select_related("worker", "job")
-        outcomes = {
-            "queued": "queued again",
-            "leased": "queued again, and already claimed",
-            "failed": "that was its last attempt, so it failed",
-        }
-        for lease in expired.order_by("pk"):
-            self.last_lease_id = lease.pk
-            outcome = outcomes.get(lease.job.status, f"now {lease.job.status}")
-            say(
-                f"reclaimed job {lease.job_id}: {lease.worker.name}'s lease (attempt "
-                f"{lease.attempt}) expired; {outcome}"
-            )
+        for line in self.reclaims.new_lines():
+            say(line)
 
     def report_progress(self) -> None:
         from batches.models import BatchCounter
@@ -403,6 +389,46 @@ class Demo:
 
 class Fatal(Exception):
     """Something the demo needs died: stop everything and say why."""
+
+
+class ReclaimWatch:
+    """Every reclaimed lease, reported once. Leases are numbered when claimed
+    but reclaimed in the order they expire, so an older lease can be reclaimed
+    after a newer one: the watch remembers which it reported (those reclaimed
+    in the last few minutes; older ones were reported long ago)."""
+
+    OUTCOMES = {
+        "queued": "queued again",
+        "leased": "queued again, and already claimed",
+        "failed": "that was its last attempt, so it failed",
+    }
+    MEMORY = 300.0  # seconds of reclaims looked at again on every tick
+
+    def __init__(self) -> None:
+        self.reported: dict[int, datetime] = {}  # lease id -> ended_at
+
+    def new_lines(self) -> list[str]:
+        from jobs import transitions
+        from jobs.models import Lease, LeaseEnd
+
+        since = transitions.now() - timedelta(seconds=self.MEMORY)
+        self.reported = {
+            pk: ended for pk, ended in self.reported.items() if ended >= since
+        }
+        lines = []
+        for lease in (
+            Lease.objects.filter(end_reason=LeaseEnd.EXPIRED, ended_at__gte=since)
+            .exclude(pk__in=list(self.reported))
+            .select_related("worker", "job")
+            .order_by("ended_at", "pk")
+        ):
+            self.reported[lease.pk] = lease.ended_at
+            outcome = self.OUTCOMES.get(lease.job.status, f"now {lease.job.status}")
+            lines.append(
+                f"reclaimed job {lease.job_id}: {lease.worker.name}'s lease (attempt "
+                f"{lease.attempt}) expired; {outcome}"
+            )
+        return lines
 
 
 def main() -> int:

@@ -245,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
     work = pg.dir
     print(f"chaos: working in {work}", flush=True)
     processes: list[Process] = []
+    bouncer = None
     stop_sweeps = threading.Event()
     receiver = Receiver(
         random.Random(args.seed + 1),
@@ -278,6 +279,18 @@ def run(args: argparse.Namespace) -> int:
             "RECALL_WEBHOOK_RETRY_SECONDS": "1,1,2,2,3,3,5,5,5,5",
             "RECALL_WEBHOOK_TIMEOUT_SECONDS": str(args.webhook_timeout),
         }
+        if args.pgbouncer:  # every Recall process through it; checks direct
+            from tests.system.stack import PgBouncer
+
+            bouncer = PgBouncer("127.0.0.1", pg.port, args.pgbouncer)
+            env["DATABASE_URL"] = bouncer.url("recall")
+            env["DATABASE_DISABLE_SERVER_SIDE_CURSORS"] = "on"
+            env["RECALL_PREPARED_STATEMENTS"] = "off"
+            print(
+                f"chaos: through PgBouncer (transaction pooling, pool "
+                f"{args.pgbouncer}) on port {bouncer.port}",
+                flush=True,
+            )
         _manage(env, "migrate", "-v0")
         tokens = [
             _manage(env, "create_worker", f"chaos-{i}").stdout.strip().splitlines()[-1]
@@ -474,6 +487,8 @@ def run(args: argparse.Namespace) -> int:
         stop_sweeps.set()
         for process in processes:
             process.kill()
+        if bouncer is not None:
+            bouncer.stop()
         if args.keep:
             print(f"chaos: kept {work}", flush=True)
         else:
@@ -818,6 +833,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=3,
         help="RECALL_WEBHOOK_TIMEOUT_SECONDS for the run (default 3)",
+    )
+    parser.add_argument(
+        "--pgbouncer",
+        type=int,
+        default=0,
+        metavar="POOL",
+        help="run every Recall process through PgBouncer (deploy/pgbouncer/, "
+        "transaction pooling) with this many server connections (default: off)",
     )
     parser.add_argument(
         "--seed", type=int, default=None, help="random seed (default: random)"

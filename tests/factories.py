@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from django.db import connection
 from django.test import Client
 
-from batches.intake import create_batch
+from batches.manifests import create_batch
 from batches.models import Batch, BatchCounter, BatchItem
 from jobs import transitions
 from jobs.models import Job, Lease, Worker

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from batches.intakes import Intake
+from batches.intake_records import Intake
 from batches.models import Batch, BatchItem
 from jobs.models import Job
 

@@ -121,7 +121,7 @@ def fail_exhausted(job_id: int, *, now: datetime) -> bool:
     return True
 
 
-def reopen_batch(job_id: int, *, now: datetime) -> bool:
+def reopen_batch_of(job_id: int, *, now: datetime) -> bool:
     """Clear ``finished_at`` of the batch of an unfinished job: a batch marked
     finished while it had work would never be claimed from again."""
     with transaction.atomic():

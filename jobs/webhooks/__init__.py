@@ -2,7 +2,7 @@
 
 What to send is decided by the transitions, in the transaction that finishes a
 batch or fails an item (``jobs.transitions.outbox`` writes the event and one
-delivery per subscribed endpoint; ``jobs.transitions.webhooks`` changes
+delivery per subscribed endpoint; ``jobs.transitions.webhook_writes`` changes
 endpoints and records attempts). This package does the rest:
 
 * ``destinations``: the URL and address rules (no SSRF);

@@ -27,7 +27,7 @@ from django.db import connection
 from django.test import Client
 
 from batches import background
-from batches.intakes import Intake
+from batches.intake_records import Intake
 from batches.json_limits import (
     MAX_JSON_DEPTH,
     flatten_deeper_than,

@@ -10,8 +10,8 @@ from django.db import connection
 from django_q.models import OrmQ
 
 from batches import background
-from batches.intake import ManifestInvalid, create_batch
-from batches.intakes import Intake, IntakeChunk, IntakePhase, IntakeStatus
+from batches.intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
+from batches.manifests import ManifestInvalid, create_batch
 from batches.models import Batch, BatchItem
 from batches.tasks import run_intake
 

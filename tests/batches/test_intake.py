@@ -1,6 +1,6 @@
 import pytest
 
-from batches.intake import (
+from batches.manifests import (
     Entry,
     LineError,
     ManifestInvalid,

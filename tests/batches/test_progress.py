@@ -236,6 +236,8 @@ def test_progress_counts_rate_and_eta_by_items(worker):
         "weight": 1,
         "max_in_flight": None,
         "in_flight": 1,
+        # Added by silent leases (issue 27).
+        "silent": 0,
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import Page, expect
 
-from batches.intake import create_batch
+from batches.manifests import create_batch
 from jobs import transitions
 from jobs.models import Worker
 from jobs.sweep import sweep

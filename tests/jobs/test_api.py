@@ -71,7 +71,7 @@ def test_claim_returns_the_documented_shape(api):
 
 
 def test_claim_passes_the_params_from_the_manifest(api):
-    from batches.intake import create_batch
+    from batches.manifests import create_batch
 
     lines = ["source,duration_seconds,language\n", "s3://b/a.wav,12.5,de\n"]
     create_batch("csv", lambda: iter(lines))

@@ -16,7 +16,7 @@ from jobs import transitions
 from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 from jobs.sweep import sweep
-from jobs.transitions.statements import RECLAIM_GATE_KEY
+from jobs.transitions.backends.statements import RECLAIM_GATE_KEY
 
 from ..factories import (
     WorkerClient,

@@ -15,7 +15,7 @@ from django.core.management import CommandError, call_command
 
 from batches.archive import ArchiveRefused, archive_path
 from batches.exports import jsonl_lines
-from batches.intakes import Intake
+from batches.intake_records import Intake
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
 from jobs import fleet, transitions
 from jobs.metrics import render

@@ -124,3 +124,44 @@ def test_prepare_empties_the_directory(tmp_path):
     fresh = tmp_path / "new" / "dir"
     multiprocess.prepare(str(fresh))
     assert fresh.is_dir()
+
+
+FRESH = """
+import django
+django.setup()
+from jobs.metrics import request_metrics
+request_metrics()
+"""
+
+
+def test_request_counts_are_exported_before_the_first_request(tmp_path):
+    """A server process that answered nothing yet still exports
+    recall_api_requests_total (HELP, TYPE, its usual series at 0): alerts and
+    dashboards have data from the start (issue 27, item 9)."""
+    env = {
+        **os.environ,
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path),
+        "DJANGO_SETTINGS_MODULE": "recall_site.settings",
+    }
+    subprocess.run(
+        [sys.executable, "-c", FRESH], cwd=ROOT, env=env, timeout=60, check=True
+    )
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    with multiprocess.reading(str(tmp_path)):
+        text = generate_latest(registry).decode()
+
+    assert "# HELP recall_api_requests_total Worker API requests answered" in text
+    assert "# TYPE recall_api_requests_total counter" in text
+    assert {
+        (dict(key[1:])["endpoint"], dict(key[1:])["status"]): value
+        for key, value in samples(text.encode()).items()
+        if key[0] == "recall_api_requests_total"
+    } == {
+        ("claim", "200"): 0,
+        ("claim", "204"): 0,
+        ("heartbeat", "200"): 0,
+        ("complete", "200"): 0,
+        ("fail", "200"): 0,
+        ("release", "200"): 0,
+    }

@@ -68,6 +68,8 @@ def test_a_submission_creates_the_batch_and_answers_its_progress(
         "weight": 2,
         "max_in_flight": 4,
         "in_flight": 0,
+        # Added by silent leases (issue 27).
+        "silent": 0,
     }
     assert (batch.priority, batch.weight, batch.max_in_flight) == (3, 2, 4)
     assert batch.created_by == operator

@@ -12,7 +12,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
 from batches import background
-from batches.intakes import Intake, IntakePhase, IntakeStatus
+from batches.intake_records import Intake, IntakePhase, IntakeStatus
 from batches.models import Batch
 from batches.tasks import run_intake
 

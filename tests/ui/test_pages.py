@@ -182,6 +182,8 @@ def test_progress_json(viewer_client, worker):
         "weight",
         "max_in_flight",
         "in_flight",
+        # Added by silent leases (issue 27).
+        "silent",
     }
     assert (body["batch"], body["state"], body["total"], body["percent_done"]) == (
         batch.pk,

@@ -378,7 +378,7 @@ def test_a_dispatcher_out_of_time_hands_over_to_the_successor_it_queues(worker):
     one successor; scheduled dispatchers stand aside until that successor has
     started (or is stale), so there is one chain, never a pile of them."""
     from jobs.models import WebhookDispatch
-    from jobs.transitions.webhooks import HANDOVER_STALE
+    from jobs.transitions.webhook_writes import HANDOVER_STALE
 
     make_endpoint()
     finished_batch(worker, at=transitions.now())

@@ -22,7 +22,7 @@ from django.test.utils import override_settings
 from django.utils import timezone
 from pytest_django.live_server_helper import LiveServer
 
-from batches.intake import create_batch
+from batches.manifests import create_batch
 from batches.models import Batch
 from jobs.models import Worker
 

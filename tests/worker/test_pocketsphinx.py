@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from batches.intake import create_batch
+from batches.manifests import create_batch
 from jobs.models import Job, JobStatus
 
 from ..factories import jobs_of, make_worker

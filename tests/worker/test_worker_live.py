@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from batches.intake import create_batch
+from batches.manifests import create_batch
 from batches.models import BatchItem
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd

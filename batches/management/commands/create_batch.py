@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
-from batches.intake import ManifestInvalid, create_batch, file_lines
+from batches.manifests import ManifestInvalid, create_batch, file_lines
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT
 from batches.numbers import whole_number
 

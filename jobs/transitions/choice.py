@@ -1,9 +1,11 @@
 """Which backend writes the transitions: chosen once per database connection.
 
 As Django gives each connection its ``connection.ops``, each connection gets
-one transition backend the first time it is asked for: the PostgreSQL
-statement backend on PostgreSQL (unless ``RECALL_TRANSITIONS_BACKEND=orm``),
-the ORM backend everywhere else. Nothing else in Recall looks at the vendor.
+one transition backend (``backends/``) the first time it is asked for: the
+PostgreSQL statement backend on PostgreSQL (unless
+``RECALL_TRANSITIONS_BACKEND=orm``), the ORM backend everywhere else. Nothing
+else in Recall looks at the vendor. The backend is handed the chores a claim
+runs first (``actions``, ``repairs``), which sit above it.
 """
 
 from __future__ import annotations
@@ -17,32 +19,32 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.dispatch import receiver
 
-from .orm import OrmBackend
-from .postgres import PostgresBackend
+from . import actions, repairs
+from .backends import Chores, TransitionBackend, build
 
 CHOICES = ("auto", "orm")
 
-_chosen: WeakKeyDictionary[BaseDatabaseWrapper, OrmBackend] = WeakKeyDictionary()
+CHORES = Chores(
+    finish_interrupted_cancel=actions.finish_interrupted_cancel,
+    close_stray_leases=repairs.close_stray_leases,
+)
+
+_chosen: WeakKeyDictionary[BaseDatabaseWrapper, TransitionBackend] = WeakKeyDictionary()
 
 
-def backend(using: str = DEFAULT_DB_ALIAS) -> OrmBackend:
+def backend(using: str = DEFAULT_DB_ALIAS) -> TransitionBackend:
     """The transition backend of this thread's connection ``using``."""
     connection = connections[using]
     try:
         return _chosen[connection]
     except KeyError:
-        chosen = _choose(connection)
+        chosen = build(
+            connection,
+            CHORES,
+            statements=settings.RECALL_TRANSITIONS_BACKEND == "auto",
+        )
         _chosen[connection] = chosen
         return chosen
-
-
-def _choose(connection: BaseDatabaseWrapper) -> OrmBackend:
-    if (
-        connection.vendor == "postgresql"
-        and settings.RECALL_TRANSITIONS_BACKEND == "auto"
-    ):
-        return PostgresBackend(connection)
-    return OrmBackend(connection)
 
 
 @receiver(setting_changed)

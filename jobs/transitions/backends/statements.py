@@ -337,9 +337,10 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
     LOCKED), if its item agrees and no ledger row of an earlier lease was left
     open, and the worker holds fewer than ``%(cap)s`` live leases; the claim is
     charged to the batch's share if ``charge``. The prelude defines ``turn``:
-    the worker's live leases, counted after its turn to claim came
-    (``recall_claim_turn``, migration 0011: a count read in this statement's
-    own snapshot would be stale by the time the turn came). Returns the job's
+    the worker's live leases, counted after its turn to claim came, or -1 if
+    the worker is disabled (``recall_claim_turn``, migrations 0013 and 0014: a
+    count read in this statement's own snapshot would be stale by the time the
+    turn came). Returns the job's
     and item's columns as they were, the batch's name, whether such a stray
     ledger row exists, and the lease's times."""
     return sql(
@@ -354,7 +355,7 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         JOIN {batch} b ON b.{batch.id} = j.{job.batch}
         WHERE j.{job.batch} = {batch_id} AND {claimable}
           AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
-          AND (SELECT held FROM turn) < %(cap)s::bigint
+          AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
     ), clean AS (
@@ -403,9 +404,9 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
 # The worker's turn to claim: its live leases, counted once its row is locked.
 TURN = "recall_claim_turn(%(worker)s::bigint)"
 
-# Returns the worker's live leases (as its turn counted them), then the job as
-# the pick found it (NULLs if none: none was claimable, or the worker is at its
-# cap).
+# Returns the worker's live leases (as its turn counted them; -1 if it is
+# disabled), then the job as the pick found it (NULLs if none: none was
+# claimable, or the worker is at its cap or disabled).
 CLAIM = _claim(
     prelude=f"turn AS (SELECT {TURN} AS held),",
     batch_id="%(batch)s",

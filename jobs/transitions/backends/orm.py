@@ -35,14 +35,14 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem, ItemStatus
-from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
-from . import actions, repairs, workers
-from .outbox import finishing
-from .rows import (
+from .. import workers
+from ..outbox import finishing
+from ..rows import (
     add_tally,
     charge_share,
     group_by,
@@ -52,7 +52,7 @@ from .rows import (
     open_lease,
     rejoin_share,
 )
-from .rules import (
+from ..rules import (
     CLAIM_BATCH_CANDIDATES,
     LEASE_EXPIRED,
     gave_up,
@@ -60,6 +60,7 @@ from .rules import (
     retry_delay,
     truncate_error,
 )
+from .base import Chores, ItemRow
 
 log = logging.getLogger("recall.transitions")
 
@@ -76,7 +77,6 @@ class Candidate:
 # Rows per INSERT when the driver has no COPY (SQLite).
 INSERT_CHUNK = 2_000
 # One item to insert: (source, params, duration_ms or None).
-ItemRow = tuple[str, dict[str, Any], int | None]
 
 
 class OrmBackend:
@@ -84,8 +84,9 @@ class OrmBackend:
 
     name = "orm"
 
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
+    def __init__(self, connection: BaseDatabaseWrapper, chores: Chores) -> None:
         self.connection = connection
+        self.chores = chores
         # Several machines share a PostgreSQL server: its clock is the only one
         # they agree on. SQLite is one machine: the process clock is the same.
         self.database_clock = connection.vendor == "postgresql"
@@ -156,7 +157,8 @@ class OrmBackend:
         out. Then takes the oldest claimable job of the first open batch in
         claim order (priority, then fair share: least virtual time), skipping
         batches at their in-flight cap and rows other claims hold. TooManyLeases
-        when the worker already holds ``max_leases`` (``_claim_turn``).
+        when the worker already holds ``max_leases``, WorkerDisabled when it was
+        disabled meanwhile (``_claim_turn``).
         """
         now = self._resolve(now)
         expired, cancelling, candidates = self._claim_plan(now)
@@ -165,7 +167,7 @@ class OrmBackend:
                 now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM, wait=False
             )
         if cancelling:
-            actions.finish_interrupted_cancel(now=now)
+            self.chores.finish_interrupted_cancel(now=now)
         if expired or cancelling:
             candidates = self._claim_plan(now)[2]  # the chores changed them
         candidates = list(candidates)
@@ -256,7 +258,7 @@ class OrmBackend:
                 # it as a repair and try once more.
                 if job is None or attempt == 2:
                     raise
-                repairs.close_stray_leases(job.pk, now=now)
+                self.chores.close_stray_leases(job.pk, now=now)
         return None
 
     def _claim_turn(self, worker: Worker) -> int:
@@ -264,10 +266,20 @@ class OrmBackend:
         claim's transaction ends), then count its live leases in a statement
         of their own, which sees every claim of the worker committed before
         the turn came: the count the cap is checked against is never stale.
+        WorkerDisabled if the worker was disabled before the turn came (after
+        its request was authenticated): ``disable_and_reclaim`` takes the same
+        lock, so a disabled worker never gets a lease.
         (On SQLite every transaction is BEGIN IMMEDIATE: already one at a
         time.) The statement backend does the same inside its claim
-        statement, through ``recall_claim_turn()`` (migration 0011)."""
-        Worker.objects.select_for_update(no_key=True).filter(pk=worker.pk).exists()
+        statement, through ``recall_claim_turn()`` (migrations 0013 and 0014)."""
+        active = (
+            Worker.objects.select_for_update(no_key=True)
+            .filter(pk=worker.pk)
+            .values_list("is_active", flat=True)
+            .first()
+        )
+        if not active:
+            raise WorkerDisabled(worker.name)
         return Job.objects.filter(leased_by=worker.pk).count()
 
     def _room_under_cap(self, candidate: Candidate) -> bool:

@@ -38,15 +38,16 @@ from django.db.models import Model, QuerySet
 from psycopg.types.datetime import TimestamptzLoader
 
 from batches.models import Batch, BatchItem, ItemStatus
-from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, JobStatus, Worker
 from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
+from ..rows import log_lease, lost_detail
+from ..rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
 from . import statements
-from .orm import Candidate, ItemRow, OrmBackend
-from .rows import log_lease, lost_detail
-from .rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
+from .base import Chores, ItemRow
+from .orm import Candidate, OrmBackend
 
 # psycopg's default: prepare a statement on its fifth execution (``prepare=True``
 # below prepares ours at once).
@@ -88,8 +89,8 @@ class PostgresBackend(OrmBackend):
 
     name = "postgres"
 
-    def __init__(self, connection: BaseDatabaseWrapper) -> None:
-        super().__init__(connection)
+    def __init__(self, connection: BaseDatabaseWrapper, chores: Chores) -> None:
+        super().__init__(connection, chores)
         self.prepare = settings.RECALL_PREPARED_STATEMENTS
         # _cursor()'s cursor, kept for as long as its database connection lasts.
         self._raw_cursor: psycopg.RawCursor[Any] | None = None
@@ -166,8 +167,8 @@ class PostgresBackend(OrmBackend):
         )
         if row is not RACED:
             expired, cancelling, first_batch, at, held, *picked = row
-            if held is not None and held >= max_leases:
-                raise TooManyLeases(worker.name, held, max_leases)
+            if held is not None:
+                self._check_turn(worker, held, max_leases)
             if picked[0] is not None:  # a job row joined
                 job, written = self._leased(picked, worker, token)
                 if written:
@@ -218,8 +219,7 @@ class PostgresBackend(OrmBackend):
         )
         if row is not RACED:
             held, *picked = row
-            if held >= max_leases:
-                raise TooManyLeases(worker.name, held, max_leases)
+            self._check_turn(worker, held, max_leases)
             if picked[0] is None:
                 return None
             job, written = self._leased(picked, worker, token)
@@ -228,6 +228,14 @@ class PostgresBackend(OrmBackend):
         return super()._claim_in_batch(
             candidate, worker, now, charge=charge, max_leases=max_leases
         )
+
+    @staticmethod
+    def _check_turn(worker: Worker, held: int, max_leases: int) -> None:
+        """Refuse the claim its turn answered for: -1 is a disabled worker."""
+        if held < 0:
+            raise WorkerDisabled(worker.name)
+        if held >= max_leases:
+            raise TooManyLeases(worker.name, held, max_leases)
 
     def _claim_params(
         self, worker: Worker, token: str, now: datetime | None, max_leases: int
