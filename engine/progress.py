@@ -160,6 +160,20 @@ def is_silent(heartbeat_at: datetime | None, now: datetime, after: timedelta) ->
     return heartbeat_at is not None and now - heartbeat_at > after
 
 
+def bar_geometry(segments: list[tuple[str, int, float]]) -> list[dict]:
+    """The non-empty segments with where each starts (x) and how wide it is,
+    in percent of the bar: geometry for an SVG, which needs no inline style."""
+    x, bar = 0.0, []
+    last = max((i for i, (_, count, _) in enumerate(segments) if count), default=-1)
+    for i, (status, count, pct) in enumerate(segments):
+        if count:
+            # The percentages are rounded: the last segment ends the bar.
+            width = 100.0 - x if i == last else pct
+            bar.append({"status": status, "count": count, "x": x, "width": width})
+            x += pct
+    return bar
+
+
 def window_seconds(
     now: datetime, window_start: datetime, created_at: datetime
 ) -> float:
@@ -292,14 +306,7 @@ class Progress:
 
     @property
     def bar(self) -> list[dict]:
-        """The non-empty segments with where each starts (x) and how wide it is,
-        in percent of the bar: geometry for an SVG, which needs no inline style."""
-        x, bar = 0.0, []
-        for status, count, pct in self.segments:
-            if count:
-                bar.append({"status": status, "count": count, "x": x, "width": pct})
-                x += pct
-        return bar
+        return bar_geometry(self.segments)
 
     def as_json(self) -> dict:
         return {

@@ -186,6 +186,8 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = env.str("TIME_ZONE", default="UTC")
 USE_I18N = True
 USE_TZ = True
+# Times with seconds in the admin (leases last seconds): recall_site/formats/.
+FORMAT_MODULE_PATH = ["recall_site.formats"]
 
 # --- Login throttling (django-axes; recall_site/auth.py) ------------------------
 # After RECALL_LOGIN_FAILURE_LIMIT failed logins, a username is locked out from

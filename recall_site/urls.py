@@ -7,6 +7,7 @@ from api import operator_views as operator_api
 from api import worker_views as worker_api
 from console.views import api_tokens as token_pages
 from console.views import overview, workers
+from recall_site.views import favicon
 
 urlpatterns = [
     path("api/v1/claim", worker_api.claim, name="api-claim"),
@@ -42,12 +43,14 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("workers/", workers.worker_list, name="worker-list"),
+    path("workers/live", workers.worker_list_live, name="worker-list-live"),
     path("api-tokens/", token_pages.token_list, name="api-tokens"),
     path(
         "api-tokens/<int:pk>/revoke", token_pages.token_revoke, name="api-token-revoke"
     ),
     path("overview/", overview.overview, name="overview"),
     path("overview/live", overview.overview_live, name="overview-live"),
+    path("favicon.ico", favicon, name="favicon"),
     path("", include("console.urls")),
 ]
 

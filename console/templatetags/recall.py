@@ -39,3 +39,25 @@ def until(moment, now) -> str:
 def ms_duration(ms: int | None) -> str:
     """Milliseconds as a human duration."""
     return format_duration(None if ms is None else ms / 1000)
+
+
+# A source keeps at least this much of its end (the file's name) when it is
+# shortened in the middle to fit.
+SOURCE_TAIL = 20
+
+
+@register.filter
+def source_tail(source: str) -> str:
+    """The end of a source that stays visible when the source is shortened in
+    the middle: its file name, or its last characters when that is long."""
+    name = source.rsplit("/", 1)[-1]
+    if 0 < len(name) <= SOURCE_TAIL and len(name) < len(source):
+        return "/" + name
+    return source[-SOURCE_TAIL // 2 :] if len(source) > SOURCE_TAIL else ""
+
+
+@register.filter
+def source_head(source: str) -> str:
+    """The rest of the source, in front of ``source_tail``: what is elided."""
+    tail = source_tail(source)
+    return source[: len(source) - len(tail)]

@@ -21,7 +21,13 @@ from django.views.decorators.http import require_GET
 from batches.roles import viewer_required
 from console.live import fragment
 from engine import fleet
-from engine.progress import BatchState, chart_geometry, segments, window_text
+from engine.progress import (
+    BatchState,
+    bar_geometry,
+    chart_geometry,
+    segments,
+    window_text,
+)
 from jobs import transitions
 from jobs.models import item_status_for
 from jobs.transitions import rules
@@ -44,6 +50,10 @@ class Items:
     @property
     def segments(self) -> list[tuple[str, int, float]]:
         return segments(self.counts, self.total, self.silent)
+
+    @property
+    def bar(self) -> list[dict]:
+        return bar_geometry(self.segments)
 
 
 def _context(now: datetime) -> dict:

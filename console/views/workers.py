@@ -1,4 +1,5 @@
-"""The workers page: who is working, on what, and how reliably."""
+"""The workers page: who is working, on what, and how reliably, refreshed in
+place like the other pages."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from batches.roles import viewer_required
+from console.live import fragment
 from engine import fleet
 from engine.fleet import expired_share, is_flaky
 from jobs import transitions
@@ -34,6 +36,18 @@ def _ended(reason: str):
 def worker_list(request: HttpRequest) -> HttpResponse:
     """Each worker with its live leases and how its past leases ended; a box
     whose leases keep expiring stands out."""
+    return render(request, "jobs/workers.html", _context())
+
+
+@require_GET
+@viewer_required
+def worker_list_live(request: HttpRequest) -> HttpResponse:
+    """The workers table alone, which the page's script swaps in place."""
+    response = render(request, "jobs/_workers_live.html", _context())
+    return fragment(response, final=False)
+
+
+def _context() -> dict:
     workers = (
         Worker.objects.annotate(
             completed=_ended(LeaseEnd.COMPLETED),
@@ -73,17 +87,13 @@ def worker_list(request: HttpRequest) -> HttpResponse:
                 "flaky": is_flaky(worker.expired, ended, recent.get(worker.pk, 0)),
             }
         )
-    return render(
-        request,
-        "jobs/workers.html",
-        {
-            "rows": rows,
-            "now": now,
-            "nav": "workers",
-            "flaky_incidents": fleet.FLAKY_INCIDENTS,
-            "flaky_window": fleet.FLAKY_WINDOW_WORDS,
-            "lease_seconds": rules.lease_duration().total_seconds(),
-            "flaky_min_expired": fleet.FLAKY_MIN_EXPIRED,
-            "flaky_share": fleet.FLAKY_SHARE,
-        },
-    )
+    return {
+        "rows": rows,
+        "now": now,
+        "nav": "workers",
+        "flaky_incidents": fleet.FLAKY_INCIDENTS,
+        "flaky_window": fleet.FLAKY_WINDOW_WORDS,
+        "lease_seconds": rules.lease_duration().total_seconds(),
+        "flaky_min_expired": fleet.FLAKY_MIN_EXPIRED,
+        "flaky_share": fleet.FLAKY_SHARE,
+    }

@@ -1,5 +1,5 @@
-// Recall's only script: refresh the live regions of a page, and count down lease
-// expiries. Pages work without it; with it, the regions marked data-live-url are
+// Recall's only script: refresh the live regions of a page, count down lease
+// expiries, and close the phone's menu. Pages work without it; with it, the regions marked data-live-url are
 // fetched again every few seconds (2 s, 5 s or off; kept in localStorage), only
 // while the tab is visible, and no longer once the server answers 286 (nothing
 // will change) or marks a region data-live-final.
@@ -97,6 +97,20 @@
     if (document.visibilityState === "visible") tick();
     else { clearTimeout(timer); say("paused while hidden"); }
   });
+  // The phone's Menu (a details element, which works without this): closed
+  // by Escape or a tap elsewhere, as a menu is expected to be.
+  const menu = document.querySelector("header.site details.menu");
+  if (menu) {
+    document.addEventListener("click", (event) => {
+      if (menu.open && !menu.contains(event.target)) menu.open = false;
+    });
+    document.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && menu.open) {
+        menu.open = false;
+        menu.querySelector("summary").focus();
+      }
+    });
+  }
   bind(document);
   countdowns();
   setInterval(countdowns, 1000);

@@ -8,6 +8,7 @@ import pytest
 from batches.models import Batch
 from engine.progress import (
     BatchState,
+    bar_geometry,
     batch_state,
     chart_bars,
     eta_seconds,
@@ -16,6 +17,7 @@ from engine.progress import (
     percent,
     progress_for,
     rate_per_second,
+    segments,
     window_seconds,
 )
 from jobs import transitions
@@ -137,6 +139,17 @@ def test_stalled_only_with_items_in_flight_and_no_recent_activity():
 
 def test_percent():
     assert (percent(1, 3), percent(0, 0), percent(5, 5)) == (33.3, 0.0, 100.0)
+
+
+def test_the_bar_is_drawn_whole_though_its_percentages_are_rounded():
+    # 14/44 + 2/44 + 3/44 + 25/44 rounds to 99.9%: the last segment ends the bar.
+    counts = {"done": 14, "failed": 2, "transcribing": 3, "queued": 25, "cancelled": 0}
+    bar = bar_geometry(segments(counts, 44))
+
+    assert [s["status"] for s in bar] == ["done", "failed", "transcribing", "queued"]
+    assert [s["x"] for s in bar] == pytest.approx([0.0, 31.8, 36.3, 43.1])
+    assert [s["width"] for s in bar] == pytest.approx([31.8, 4.5, 6.8, 56.9])
+    assert bar[-1]["x"] + bar[-1]["width"] == 100.0
 
 
 def test_chart_bars_fill_missing_minutes_with_zero():

@@ -10,7 +10,6 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from jobs import transitions
-
 from tests.support.factories import claim, make_batch, make_worker
 
 pytestmark = [
