@@ -16,9 +16,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.metrics import render
-
-from .factories import make_batch
+from recall_site.metrics import render
+from tests.support.factories import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "recall-dashboard.json"
@@ -81,6 +80,36 @@ def test_every_metric_used_is_exported_with_its_labels(api):
     # also exports *_created, which multiprocess mode does not).
     shown = {n for n in known if not n.endswith(("_count", "_sum", "_created"))}
     assert shown <= used
+
+
+SERIES = re.compile(r"^(recall_[a-z_]+)(?:\{(.*)\})?$")
+
+
+@pytest.mark.django_db
+def test_the_rule_tests_feed_series_a_scrape_can_hold():
+    """The promtool tests' input series are ones /metrics has, label values
+    included (a ``kind`` of repairs no scrape holds would test nothing real).
+    Request statuses are any HTTP status; every other value is listed by a
+    scrape from the start (issue 27, item 9)."""
+    values: dict[str, set[tuple[str, str]]] = {}
+    for family in text_string_to_metric_families(render().decode()):
+        for sample in family.samples:
+            values.setdefault(sample.name, set()).update(sample.labels.items())
+    for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
+        for series in test["input_series"]:
+            match = SERIES.match(series["series"])
+            assert match, series
+            name, labels = match[1], match[2] or ""
+            assert name in values, f"{name} is not in a scrape"
+            pairs = set(re.findall(r'(\w+)="([^"]*)"', labels))
+            pairs = {(k, v) for k, v in pairs if k not in TARGET_LABELS}
+            if name == "recall_api_requests_total":
+                assert {k for k, _ in pairs} == {"endpoint", "status"}, series
+                endpoints = {v for k, v in values[name] if k == "endpoint"}
+                assert dict(pairs)["endpoint"] in endpoints, series
+                assert re.fullmatch(r"[1-5]\d\d", dict(pairs)["status"]), series
+            else:
+                assert pairs <= values[name], (series, sorted(values[name]))
 
 
 def test_the_dashboard_is_grafana_json():

@@ -66,3 +66,11 @@ def lease_duration() -> timedelta:
 def heartbeat_interval() -> int:
     """Seconds between heartbeats we ask of workers: three chances per lease."""
     return max(1, settings.RECALL_LEASE_SECONDS // 3)
+
+
+def silent_after() -> timedelta:
+    """How long after its last heartbeat a live lease is *silent*: its next
+    heartbeat is overdue by more than one interval (two intervals without one).
+    Nobody is known to be working on it; it stays live until it expires and is
+    reclaimed, or heartbeats again."""
+    return timedelta(seconds=2 * heartbeat_interval())

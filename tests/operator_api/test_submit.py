@@ -15,9 +15,8 @@ from jobs import transitions
 from jobs.models import Job
 from operator_api.idempotency import body_hash, forget_expired
 from operator_api.models import IdempotencyKey
-
-from ..factories import is_postgres, make_user
-from .conftest import ApiClient, token_for
+from tests.support.clients import ApiClient, token_for
+from tests.support.factories import is_postgres, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -68,6 +67,8 @@ def test_a_submission_creates_the_batch_and_answers_its_progress(
         "weight": 2,
         "max_in_flight": 4,
         "in_flight": 0,
+        # Added by silent leases (issue 27).
+        "silent": 0,
     }
     assert (batch.priority, batch.weight, batch.max_in_flight) == (3, 2, 4)
     assert batch.created_by == operator

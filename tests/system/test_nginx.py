@@ -22,11 +22,10 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from batches.intakes import Intake
+from batches.intake_records import Intake
 from jobs.models import JobStatus
-from tests.factories import jobs_of, make_batch, make_user, make_worker
-
-from .stack import (
+from tests.support.factories import jobs_of, make_batch, make_user, make_worker
+from tests.support.stack import (
     DEPLOY,
     PY,
     ROOT,
@@ -55,7 +54,7 @@ def test_the_nginx_file_matches_recalls_limits():
     limit = settings.RECALL_MAX_MANIFEST_BYTES
     assert limit <= body <= limit + 1024 * 1024
     read = int(re.search(r"proxy_read_timeout (\d+)s;", conf)[1])
-    from jobs.waiter import MAX_WAIT_SECONDS
+    from api.waiter import MAX_WAIT_SECONDS
 
     assert read > MAX_WAIT_SECONDS
     assert "proxy_request_buffering on;" in conf

@@ -25,9 +25,13 @@ from django_q.tasks import async_task
 from batches.models import BatchItem, ItemStatus
 from jobs.models import Job, JobStatus, Lease
 from operator_api import tokens as api_tokens
-from tests.factories import assert_consistent, make_batch, make_user, make_worker
-
-from .stack import (
+from tests.support.factories import (
+    assert_consistent,
+    make_batch,
+    make_user,
+    make_worker,
+)
+from tests.support.stack import (
     PY,
     ROOT,
     Gunicorn,
@@ -199,7 +203,7 @@ def test_worker_api_long_polls_sweep_and_export_through_transaction_pooling(tmp_
             "the unheartbeated leases to expire",
         )
         q = cluster(tmp_path, env)
-        task_id = async_task("jobs.tasks.sweep")
+        task_id = async_task("engine.tasks.sweep")
         task = wait_for(
             lambda: Task.objects.filter(id=task_id).first(), 30, "the cluster's sweep"
         )
@@ -249,8 +253,8 @@ def waiting_workers_seen(pks: list[int]) -> bool:
 def test_the_short_chaos_run_through_pgbouncer_loses_nothing():
     need("pgbouncer")
     result = subprocess.run(
-        [PY, "-m", "tests.chaos", "--pgbouncer", str(POOL), "--duration", "30",
-         "--workers", "6", "--items", "300", "--lease", "3", "--kill-every", "3",
+        [PY, "-m", "tests.system.chaos", "--pgbouncer", str(POOL), "--duration", "45",
+         "--workers", "6", "--items", "400", "--lease", "3", "--kill-every", "3",
          "--drain", "120"],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )  # fmt: skip

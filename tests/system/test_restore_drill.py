@@ -18,14 +18,13 @@ import pytest
 from django.utils import timezone
 from django_q.models import Schedule
 
-from batches.intake import create_batch
 from batches.models import Batch
+from engine.manifests import create_batch
 from jobs import transitions
 from jobs.models import DeliveryStatus, WebhookDelivery
-from tests.factories import make_worker
-from tests.receiver import Answer, Receiver
-
-from .stack import (
+from tests.support.factories import make_worker
+from tests.support.receiver import Answer, Receiver
+from tests.support.stack import (
     PY,
     ROOT,
     Gunicorn,
@@ -246,8 +245,8 @@ def schedules() -> None:
     """The cluster's two schedules, as the migrations create them (a
     transactional test's flush empties every table, theirs included)."""
     for name, func in [
-        ("recall-sweep", "jobs.tasks.sweep"),
-        ("recall-webhooks", "jobs.tasks.dispatch_webhooks"),
+        ("recall-sweep", "engine.tasks.sweep"),
+        ("recall-webhooks", "engine.tasks.dispatch_webhooks"),
     ]:
         Schedule.objects.update_or_create(
             name=name,

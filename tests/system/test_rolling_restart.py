@@ -18,12 +18,11 @@ import pytest
 from django.db.models import Count
 from django.utils import timezone
 
-from batches.intake import create_batch
 from batches.models import BatchItem, ItemStatus
+from engine.manifests import create_batch
 from jobs.models import Lease, LeaseEnd
-from tests.factories import make_worker
-
-from .stack import (
+from tests.support.factories import make_worker
+from tests.support.stack import (
     Gunicorn,
     Nginx,
     direct_url,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .stack import DEPLOY, ROOT, need
+from tests.support.stack import DEPLOY, ROOT, need
 
 # No database needed, but run once: in the PostgreSQL pass, with the others.
 pytestmark = pytest.mark.postgres

@@ -10,8 +10,7 @@ from django.utils import timezone
 from batches.models import Batch
 from jobs import transitions
 from jobs.models import Job
-
-from ..factories import claim, make_batch, make_worker
+from tests.support.factories import claim, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 
@@ -182,6 +181,8 @@ def test_progress_json(viewer_client, worker):
         "weight",
         "max_in_flight",
         "in_flight",
+        # Added by silent leases (issue 27).
+        "silent",
     }
     assert (body["batch"], body["state"], body["total"], body["percent_done"]) == (
         batch.pk,
@@ -219,7 +220,7 @@ def test_item_detail_shows_lease_attempts_and_repairs(viewer_client, worker):
     from batches.models import BatchItem
 
     BatchItem.objects.filter(pk=job.item_id).update(status="queued")
-    from jobs.reconcile import reconcile
+    from engine.reconcile import reconcile
 
     reconcile(now=timezone.now())
 

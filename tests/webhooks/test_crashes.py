@@ -6,20 +6,20 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.db import connection
 
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookAttempt, WebhookDelivery, WebhookEvent
-from jobs.transitions.webhooks import INTERRUPTED
-from jobs.webhooks import delivery
-
-from ..factories import claim, make_batch, make_endpoint, make_worker
-from ..jobs.test_concurrency import run_threads
-from ..receiver import Answer
+from jobs.transitions.webhook_writes import INTERRUPTED
+from tests.support.factories import claim, make_batch, make_endpoint, make_worker
+from tests.support.receiver import Answer
+from tests.support.threads import run_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,3 +112,70 @@ def test_a_sigkilled_cluster_mid_delivery_resumes_with_the_same_webhook_id(
     killed, resumed = WebhookAttempt.objects.order_by("number")
     assert (killed.finished_at, killed.error) == (None, INTERRUPTED)
     assert resumed.status_code == 200
+
+
+def _cluster(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "manage.py", "qcluster"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_a_restarted_cluster_resends_an_interrupted_delivery_within_seconds(
+    receiver,
+):
+    """Issue 27, item 10: the cluster is SIGKILLed while the receiver holds its
+    attempt; once the attempt's lease has run out, a new cluster sends it again
+    within seconds of starting, not at its scheduler's first run (30 s after
+    start, and the schedule only every minute)."""
+    make_endpoint(receiver.url)
+    receiver.answers = [Answer(hang=True)]
+    [event] = _finish_batches(1)
+    database = connection.settings_dict
+    env = {
+        **os.environ,
+        "DATABASE_URL": (
+            f"postgres://{database['USER']}@{database['HOST']}:{database['PORT']}"
+            f"/{database['NAME']}"
+        ),
+        "RECALL_WEBHOOK_ALLOW_PRIVATE": "on",
+        "RECALL_WEBHOOK_TIMEOUT_SECONDS": "1",  # an attempt's lease: 16 s
+        "LOG_LEVEL": "WARNING",
+    }
+    first_cluster = _cluster(env)
+    try:
+        receiver.wait_for(1, timeout=60)
+    finally:
+        os.killpg(first_cluster.pid, signal.SIGKILL)
+        first_cluster.wait(timeout=30)
+    in_flight = WebhookDelivery.objects.get()
+    assert (in_flight.status, in_flight.attempts) == ("pending", 1)
+    # The killed cluster's attempt holds its lease until it runs out.
+    deadline = time.monotonic() + 60
+    while transitions.now() <= in_flight.leased_until:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+    started = time.monotonic()
+    second_cluster = _cluster(env)
+    try:
+        first, second = receiver.wait_for(2, timeout=60)
+        deadline = time.monotonic() + 30
+        while WebhookDelivery.objects.get().status != "delivered":
+            assert time.monotonic() < deadline, "the answer was not recorded"
+            time.sleep(0.2)
+    finally:
+        os.killpg(second_cluster.pid, signal.SIGKILL)
+        second_cluster.wait(timeout=30)
+
+    resent_after = second.at - started
+    assert resent_after < 10, f"resent {resent_after:.1f} s after the cluster started"
+    assert second.headers["webhook-id"] == first.headers["webhook-id"]
+    assert second.headers["webhook-id"] == event.webhook_id
+    print(f"resent {resent_after:.1f} s after the second cluster started")

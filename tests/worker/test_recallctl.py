@@ -17,9 +17,8 @@ import pytest
 from batches.models import Batch
 from jobs.models import Event
 from operator_api import tokens
-
-from ..factories import make_user, make_worker
-from .conftest import FAKE_ENGINE_COMMAND, ROOT
+from tests.support.factories import make_user, make_worker
+from tests.support.worker import FAKE_ENGINE_COMMAND, ROOT
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
