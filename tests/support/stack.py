@@ -215,7 +215,7 @@ class Gunicorn(Server):
         """gunicorn's graceful reload (SIGHUP): new processes, old ones finish;
         returns once the new ones serve and the old ones are gone."""
         assert self.popen is not None
-        self.booted = self.log.read_text().count("Booting worker")
+        self.booted_before = self.booted()
         exited = self.log.read_text().count("Worker exiting")
         os.kill(self.popen.pid, signal.SIGHUP)
         self.wait_healthy()

@@ -59,6 +59,7 @@ def test_rolling_restarts_behind_nginx_lose_nothing(tmp_path):
     proxy = None
     steps: list[str] = []
     statuses: list[int] = []
+    errors: list[str] = []
     at_end = 0
     try:
         nodes += [Gunicorn(tmp_path, env, processes=2, threads=4) for _ in range(2)]
@@ -112,6 +113,11 @@ def test_rolling_restarts_behind_nginx_lose_nothing(tmp_path):
             node.stop()
         if proxy is not None:
             statuses = proxy.statuses()
+            errors = [
+                line
+                for line in proxy.error_log().splitlines()
+                if "[error]" in line or "[crit]" in line
+            ]
             proxy.stop()
     print(
         f"rolling: {'; '.join(steps)}; {at_end} of {ITEMS} done by then, "
@@ -120,7 +126,7 @@ def test_rolling_restarts_behind_nginx_lose_nothing(tmp_path):
     print(f"rolling: nginx answered {len(statuses)} requests: "
           f"{sorted(set(statuses))}")  # fmt: skip
 
-    assert [s for s in statuses if s >= 500] == []
+    assert [s for s in statuses if s >= 500] == [], errors
     for node in nodes:
         served = [
             int(m[1]) for m in re.finditer(r'" (\d{3}) ', node.access_log.read_text())
