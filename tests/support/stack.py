@@ -215,7 +215,7 @@ class Gunicorn(Server):
         """gunicorn's graceful reload (SIGHUP): new processes, old ones finish;
         returns once the new ones serve and the old ones are gone."""
         assert self.popen is not None
-        self.booted = self.log.read_text().count("Booting worker")
+        self.booted_before = self.booted()
         exited = self.log.read_text().count("Worker exiting")
         os.kill(self.popen.pid, signal.SIGHUP)
         self.wait_healthy()
@@ -319,7 +319,7 @@ class Nginx:
         (self.dir / "recall.conf").write_text(site)
         (self.dir / "nginx.conf").write_text(
             f"user root;\nworker_processes 1;\npid {self.dir}/nginx.pid;\n"
-            f"error_log {self.dir}/error.log notice;\nevents {{}}\nhttp {{\n"
+            f"error_log {self.dir}/error.log;\nevents {{}}\nhttp {{\n"
             f"    access_log {self.dir}/access.log;\n"
             f"    client_body_temp_path {self.dir}/body;\n"
             f"    proxy_temp_path {self.dir}/proxy;\n"
@@ -343,23 +343,6 @@ class Nginx:
 
     def error_log(self) -> str:
         return (self.dir / "error.log").read_text()
-
-    def take_out(self, port: int, out: bool = True) -> None:
-        """Mark a web node ``down`` in the upstream (or back up), and reload
-        nginx (gracefully: requests in flight finish); returns once the new
-        configuration serves."""
-        site = self.dir / "recall.conf"
-        line = f"    server 127.0.0.1:{port} max_fails=0"
-        text = site.read_text().replace(f"{line} down;", f"{line};")
-        site.write_text(text.replace(f"{line};", f"{line} down;") if out else text)
-        started = self.error_log().count("start worker process")
-        assert self.process.popen is not None
-        os.kill(self.process.popen.pid, signal.SIGHUP)
-        wait_for(
-            lambda: self.error_log().count("start worker process") > started,
-            20,
-            "nginx to reload",
-        )
 
     def statuses(self) -> list[int]:
         """The status of every request nginx answered, in order."""
