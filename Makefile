@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-# make chaos knobs (see `python -m tests.chaos --help`).
+# make chaos knobs (see `python -m tests.system.chaos --help`).
 CHAOS_DURATION ?= 180
 CHAOS_WORKERS ?= 12
 CHAOS_ITEMS ?= 3000
@@ -37,7 +37,7 @@ test: $(VENV)/.dev
 	@scripts/test.sh $(PYTEST_ARGS)
 
 chaos: $(VENV)/.dev
-	$(PY) -m tests.chaos --duration $(CHAOS_DURATION) --workers $(CHAOS_WORKERS) --items $(CHAOS_ITEMS) $(CHAOS_ARGS)
+	$(PY) -m tests.system.chaos --duration $(CHAOS_DURATION) --workers $(CHAOS_WORKERS) --items $(CHAOS_ITEMS) $(CHAOS_ARGS)
 
 bench: $(VENV)/.dev
 	$(PY) -m bench $(BENCH_ARGS)

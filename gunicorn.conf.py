@@ -16,7 +16,7 @@ own persistent database connection (settings.py).
 The worker API's request metrics are prometheus_client multiprocess metrics:
 each worker writes its own files in ``PROMETHEUS_MULTIPROC_DIR`` (set here
 before any worker starts, emptied at start), and a worker that exits has its
-counts folded into an archive (``jobs/metric_files.py``).
+counts folded into an archive (``recall_site/metric_files.py``).
 
 The files the processes share (those metrics, the long-poll probe's answer and
 nudge sockets, spooled request bodies) live in Recall's private run directory
@@ -86,7 +86,8 @@ STARTUP_SWEEP = os.environ.get("RECALL_STARTUP_SWEEP", "full")
 
 
 def on_starting(server):
-    from jobs import metric_files, worker_limits
+    from api import worker_limits
+    from recall_site import metric_files
     from recall_site.gunicorn_worker import remove_leftovers
 
     owner = (server.cfg.uid, server.cfg.gid)  # the workers' user (--user)
@@ -101,7 +102,7 @@ def on_starting(server):
         raise SystemExit(message) from None
     metric_files.prepare(METRICS_DIR)
     # The per-worker limits' shared table, made before the first fork so that
-    # every worker process counts in it (jobs/worker_limits.py).
+    # every worker process counts in it (api/worker_limits.py).
     worker_limits.prepare()
     for path in remove_leftovers(RUN_DIR):
         server.log.info("removed %s, left by a server no longer running", path)
@@ -113,8 +114,8 @@ def on_starting(server):
     django.setup()
     from django.db import connections
 
+    from engine.sweep import sweep
     from jobs.exceptions import DATABASE_DOWN
-    from jobs.sweep import sweep
 
     try:
         report = sweep(full=STARTUP_SWEEP == "full")
@@ -157,7 +158,8 @@ def post_worker_init(worker):
 
 
 def child_exit(server, worker):
-    from jobs import metric_files, worker_limits
+    from api import worker_limits
+    from recall_site import metric_files
 
     metric_files.retire(worker.pid, METRICS_DIR)
     # Its waiting claims went with it (killed or not): stop counting them.

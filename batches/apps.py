@@ -7,4 +7,4 @@ class BatchesConfig(AppConfig):
 
     def ready(self) -> None:
         # Background intakes' models live in a module of their own.
-        from . import intakes  # noqa: F401
+        from . import intake_records  # noqa: F401

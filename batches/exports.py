@@ -20,7 +20,7 @@ from .numbers import is_number
 from .zipstream import stream_zip
 
 CHUNK = 2_000
-# The worker API's bound on segment times (jobs.api): about 115 days.
+# The worker API's bound on segment times (api.worker_views): about 115 days.
 MAX_SEGMENT_SECONDS = 10_000_000
 EXPORT_FIELDS = ("item", "source", "state", "attempts", "text", "error")
 

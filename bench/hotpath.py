@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="write a cProfile of the steps here")
     args = parser.parse_args(argv)
 
-    from bench.run import _setup_django, _start_database
+    from bench.core import _setup_django, _start_database
 
-    # As gunicorn's processes keep the request metrics (jobs/metric_files.py).
+    # As gunicorn's processes keep the request metrics (recall_site/metric_files.py).
     os.environ.setdefault(
         "PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="recall-hotpath-")
     )

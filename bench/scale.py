@@ -222,9 +222,9 @@ def run(bench, total: int, batches: int, *, reuse: bool = False) -> None:
     from bench import loops
     from bench import seed as rows
     from bench.loops import utcnow
-    from jobs.checks import find_violations
+    from engine.checks import find_violations
+    from engine.sweep import sweep
     from jobs.models import Job, JobStatus
-    from jobs.sweep import sweep
 
     add, ms, pct = bench.add, _ms, _pct
     layout = Layout.of(total, batches)

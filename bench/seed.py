@@ -41,7 +41,7 @@ ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weig
 def reset() -> None:
     """Empty every batch, item, job, ledger and event row, the intakes, the
     webhook outbox and the submissions' idempotency keys (workers stay)."""
-    from batches.intakes import Intake, IntakeChunk
+    from batches.intake_records import Intake, IntakeChunk
     from operator_api.models import IdempotencyKey
 
     outbox = (WebhookAttempt, WebhookDelivery, WebhookEvent)

@@ -26,5 +26,15 @@ class TooManyLeases(Exception):
         self.held, self.limit = held, limit
 
 
+class WorkerDisabled(Exception):
+    """A claim by a worker that was disabled after its request was
+    authenticated, seen under the worker's claim lock in the claim's own
+    transaction (``disable_and_reclaim`` takes the same lock). Nothing was
+    changed: a disabled worker never gets a lease, however the two race."""
+
+    def __init__(self, worker_name: str) -> None:
+        super().__init__(f"Worker {worker_name!r} is disabled.")
+
+
 class InvalidTransition(Exception):
     """The job is not in a state that allows the requested change."""

@@ -385,7 +385,7 @@ class SweepState(models.Model):
 
     The lock is itself a lease (``locked_until``, on the database's clock), so a
     sweeper killed mid-pass cannot block the next one for long. /readyz reads
-    ``last_finished_at``. ``jobs.sweep`` owns its writes.
+    ``last_finished_at``. ``engine.sweep`` owns its writes.
     """
 
     SINGLETON = 1
@@ -442,7 +442,7 @@ class WebhookEndpointQuerySet(models.QuerySet["WebhookEndpoint"]):
 class WebhookEndpoint(models.Model):
     """A URL that is sent Recall's events, signed with its own secret.
 
-    The secret is stored encrypted (``jobs.webhooks.keys``): it must be usable
+    The secret is stored encrypted (``jobs.webhook_keys``): it must be usable
     to sign, so a hash would not do. During a rotation the previous secret
     stays valid (signed with too) until ``previous_secret_expires_at``.
     """
@@ -703,7 +703,7 @@ class WebhookAttempt(models.Model):
 
 class WebhookDispatch(models.Model):
     """A single row: the lease of the one dispatcher polling for due retries
-    (``jobs.webhooks.delivery``), on the database's clock, so a killed one does not
+    (``engine.webhooks.delivery``), on the database's clock, so a killed one does not
     block the next for long; and the token of the successor a dispatcher
     queued when its time ran out (``handover``), which only that successor
     may take (or anyone, once it is stale)."""

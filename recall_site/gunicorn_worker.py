@@ -59,11 +59,11 @@ for less than a second are never closed: they end soon, and new connections
 use the headroom meanwhile. Whatever the number of tokens an attacker holds,
 heartbeats and pages always find a connection.
 
-**Long-poll claims** (``{"wait_seconds": N}``, ``jobs/waiter.py``): the claim
+**Long-poll claims** (``{"wait_seconds": N}``, ``api/waiter.py``): the claim
 view tries once on a thread; if nothing is claimable it parks the request,
 and this worker keeps the connection in its event loop (no thread, no
 database connection) with the 204 the view answered and the claim's parsed
-parameters (``jobs.waiter.ClaimRequest``: a few numbers, never the body).
+parameters (``api.waiter.ClaimRequest``: a few numbers, never the body).
 While any claim is parked, a probe asks the database how many jobs claims
 could take, once per ``RECALL_LONG_POLL_PROBE_SECONDS`` for the whole server:
 the processes share the answer through a locked file in Recall's private run
@@ -71,7 +71,7 @@ directory (``recall_site/rundir.py``), which each reads when it turns old; the
 first to get the lock asks again, and one that finds work nudges the others (a
 datagram to each one's socket beside the file) to read it at once. Then one
 thread per process claims for that many of its parked claims, oldest first,
-one after another (``jobs.api.claims_for_waiting``: the view's authentication
+one after another (``api.worker_views.claims_for_waiting``: the view's authentication
 and claim, without the HTTP and middleware work again), and answers each 200
 as soon as it has its job; when a claim finds nothing, the rest wait on. A
 claim whose wait is over gets its kept 204; one whose client hung up is
@@ -114,7 +114,7 @@ from gunicorn.http import wsgi
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn
 from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
 
-from jobs.waiter import WAITER_KEY, Waiter
+from api.waiter import WAITER_KEY, Waiter
 from recall_site import rundir
 from recall_site.request_reading import (
     Limits,
@@ -325,6 +325,7 @@ class ThreadWorker(StockThreadWorker):
         self.most_waiting = WAITING_PER_THREAD * self.threads
         self.next_reap = 0.0
         self.next_backlog_look = 0.0
+        self.stopped_listening = False
         self.backlog_seen: dict = {}  # listener -> connections in it at the last look
         self.limits: Limits | None = None
         self.client_timeout = 10.0
@@ -739,6 +740,23 @@ class ThreadWorker(StockThreadWorker):
 
     def set_accept_enabled(self, enabled):
         super().set_accept_enabled(enabled and self._may_listen())
+        if not enabled and not self.alive and not self.stopped_listening:
+            self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        """Stopping: serve what already waits in the kernel's backlog, then
+        close this process's copy of the listening sockets at once, not after
+        the graceful timeout. Once every process of the server has (the
+        master closes its own first), a new connection is refused instead of
+        queued, and a proxy passes it to another node; one left queued would
+        be reset when the socket closed, after the proxy had sent its request
+        (nginx answers 502 and does not send a POST again). A graceful reload
+        keeps the socket open in the master and the new processes."""
+        self.stopped_listening = True
+        for listener in self.sockets:
+            listener.setblocking(False)
+            self._accept_from(listener, self.worker_connections, listening=False)
+            listener.close()
 
     def _may_listen(self) -> bool:
         """A thread other than the one kept for lease calls is free."""
@@ -1085,7 +1103,7 @@ class ThreadWorker(StockThreadWorker):
     def _wake(self):
         """Claim for parked claims, oldest first, as many as the last probe
         found work for: on one thread, one claim after another
-        (``jobs.api.claims_for_waiting``), each answered as soon as it has its
+        (``api.worker_views.claims_for_waiting``), each answered as soon as it has its
         job. One thread, not one per claim, so that a batch for hundreds of
         waiting workers leaves the other threads free for heartbeats."""
         if self.claiming or self.wake_budget <= 0 or not self.parked:
@@ -1108,7 +1126,7 @@ class ThreadWorker(StockThreadWorker):
         or nothing (not reached: nothing was left to claim, it waits on)."""
         from django.db import close_old_connections
 
-        from jobs.api import claims_for_waiting
+        from api.worker_views import claims_for_waiting
 
         outcomes: dict = {}
         close_old_connections()
@@ -1225,7 +1243,7 @@ class ThreadWorker(StockThreadWorker):
     def _ask_database(self) -> int | None:
         from django.db import close_old_connections
 
-        from jobs.longpoll import claimable_jobs
+        from engine.longpoll import claimable_jobs
 
         close_old_connections()
         try:

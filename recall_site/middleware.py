@@ -18,7 +18,7 @@ from django.template.loader import render_to_string
 from django.utils import timezone
 
 from jobs.exceptions import DATABASE_DOWN
-from jobs.metrics import metrics_view
+from recall_site.metrics import metrics_view
 
 from . import health
 
@@ -118,7 +118,7 @@ class SessionIdleMiddleware:
         return self.get_response(request)
 
 
-# The worker API (jobs/api.py): bearer tokens, JSON, every view CSRF-exempt;
+# The worker API (api/worker_views.py): bearer tokens, JSON, every view CSRF-exempt;
 # no session, no Django user, no flash messages. Its paths, and nothing else's.
 WORKER_API_PREFIXES = ("/api/v1/claim", "/api/v1/jobs/")
 

@@ -72,7 +72,7 @@ MEMORY_BODIES_BYTES = 32 * 1024 * 1024
 # Longest chunk-size line, and largest trailer section, of a chunked body.
 MAX_CHUNK_LINE_BYTES = 8 * 1024
 MAX_TRAILER_BYTES = 64 * 1024
-# The multipart form's fields beside the manifest file (batches/uploads.py).
+# The multipart form's fields beside the manifest file (console/uploads.py).
 FORM_FIELDS_BYTES = 64 * 1024
 # What a thread reads of a spooled body at a time.
 SPOOL_READ_BYTES = 1024 * 1024

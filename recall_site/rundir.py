@@ -3,7 +3,7 @@ processes, where no other user can reach them.
 
 The server keeps a few files at predictable names: the long-poll probe's
 shared answer and each process's nudge socket (``recall_site/gunicorn_worker.py``),
-the request metrics of its processes (``jobs/metric_files.py``) and the
+the request metrics of its processes (``recall_site/metric_files.py``) and the
 spooled bodies of requests being read. Kept straight in the system's temporary
 directory, any local user could create those names first (a directory of their
 own, a symbolic link to a file of Recall's user) and Recall would use them.

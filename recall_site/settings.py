@@ -52,7 +52,7 @@ if not DEBUG and (weakness := secret_key.weakness(SECRET_KEY)):
     )
 # Earlier keys, comma-separated, newest first: they still verify what they
 # signed (sessions, password reset links) and decrypt webhook secrets
-# (jobs/webhooks/keys.py), while everything new uses SECRET_KEY. Each is held to
+# (jobs/webhook_keys.py), while everything new uses SECRET_KEY. Each is held to
 # SECRET_KEY's rules: a weak fallback is as good as a weak key to an attacker.
 SECRET_KEY_FALLBACKS = [
     key.strip()
@@ -83,6 +83,9 @@ INSTALLED_APPS = [
     "batches",
     "jobs",
     "operator_api",
+    "engine",
+    "api",
+    "console",
 ]
 
 MIDDLEWARE = [
@@ -293,7 +296,7 @@ RECALL_TRANSITIONS_BACKEND = env.str("RECALL_TRANSITIONS_BACKEND", default="auto
 if RECALL_TRANSITIONS_BACKEND not in ("auto", "orm"):
     raise ImproperlyConfigured("RECALL_TRANSITIONS_BACKEND must be auto or orm.")
 # PostgreSQL: prepare the claim's and completion's statements once per connection
-# (jobs/transitions/statements.py). Turn off behind a pooler that cannot keep
+# (jobs/transitions/backends/statements.py). Turn off behind a pooler that cannot keep
 # prepared statements (PgBouncer in transaction mode before 1.21).
 RECALL_PREPARED_STATEMENTS = env.bool("RECALL_PREPARED_STATEMENTS", default=True)
 RECALL_LEASE_SECONDS = env.int("RECALL_LEASE_SECONDS", default=60)
@@ -413,7 +416,7 @@ RECALL_SOURCE_SCHEMES = [
     if scheme.strip()
 ]
 
-# --- Webhooks (jobs/webhooks/; docs/guides/webhooks.md) ---
+# --- Webhooks (engine/webhooks/; docs/guides/webhooks.md) ---
 # Seconds to wait before each retry of a failed delivery (the Standard Webhooks
 # schedule by default): the first attempt is immediate, then one per delay.
 RECALL_WEBHOOK_RETRY_SECONDS = env.list(

@@ -2,17 +2,20 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path, re_path
 
-from jobs import api, overview, views
-from operator_api import openapi
-from operator_api import pages as token_pages
-from operator_api import views as operator_api
+from api import openapi
+from api import operator_views as operator_api
+from api import worker_views as worker_api
+from console.views import api_tokens as token_pages
+from console.views import overview, workers
 
 urlpatterns = [
-    path("api/v1/claim", api.claim, name="api-claim"),
-    path("api/v1/jobs/<int:job_id>/heartbeat", api.heartbeat, name="api-heartbeat"),
-    path("api/v1/jobs/<int:job_id>/complete", api.complete, name="api-complete"),
-    path("api/v1/jobs/<int:job_id>/fail", api.fail, name="api-fail"),
-    path("api/v1/jobs/<int:job_id>/release", api.release, name="api-release"),
+    path("api/v1/claim", worker_api.claim, name="api-claim"),
+    path(
+        "api/v1/jobs/<int:job_id>/heartbeat", worker_api.heartbeat, name="api-heartbeat"
+    ),
+    path("api/v1/jobs/<int:job_id>/complete", worker_api.complete, name="api-complete"),
+    path("api/v1/jobs/<int:job_id>/fail", worker_api.fail, name="api-fail"),
+    path("api/v1/jobs/<int:job_id>/release", worker_api.release, name="api-release"),
     path("api/v1/openapi.json", openapi.openapi, name="api-openapi"),
     path("api/v1/batches", operator_api.batches, name="operator-api-batches"),
     path(
@@ -34,18 +37,18 @@ urlpatterns = [
     path("api/v1/batches/<int:batch_id>/resume", operator_api.batch_resume),
     path("api/v1/batches/<int:batch_id>/cancel", operator_api.batch_cancel),
     path("api/v1/batches/<int:batch_id>/retry", operator_api.batch_retry),
-    re_path(r"^api/", api.not_found),
+    re_path(r"^api/", worker_api.not_found),
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("workers/", views.worker_list, name="worker-list"),
+    path("workers/", workers.worker_list, name="worker-list"),
     path("api-tokens/", token_pages.token_list, name="api-tokens"),
     path(
         "api-tokens/<int:pk>/revoke", token_pages.token_revoke, name="api-token-revoke"
     ),
     path("overview/", overview.overview, name="overview"),
     path("overview/live", overview.overview_live, name="overview-live"),
-    path("", include("batches.urls")),
+    path("", include("console.urls")),
 ]
 
 handler500 = "recall_site.views.server_error"

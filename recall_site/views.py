@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.http import HttpRequest, HttpResponse
 from django.views.defaults import server_error as html_server_error
 
-from jobs.jsonapi import error_response
+from api.jsonapi import error_response
 
 
 def server_error(request: HttpRequest) -> HttpResponse:

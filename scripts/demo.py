@@ -31,12 +31,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: the project is one level up
+
+from harness.server import Process, Server  # noqa: E402
+
 VAR = ROOT / "var" / "demo"
 LOGS = VAR / "logs"
 PY = sys.executable
@@ -65,7 +67,6 @@ def configure_environment() -> None:
     never receive the demo's batches.
     """
     os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))  # run as a script: the project is one level up
     VAR.mkdir(parents=True, exist_ok=True)
     LOGS.mkdir(exist_ok=True)
     from recall_site.secret_key import key_file
@@ -116,7 +117,7 @@ def set_up() -> tuple[str, dict[str, str]]:
     from django.core.management import call_command
     from django.db import connections
 
-    from batches.intake import create_batch, file_lines
+    from engine.manifests import create_batch, file_lines
     from jobs import transitions
 
     say("migrating the demo database and collecting static files ...")
@@ -151,86 +152,38 @@ def set_up() -> tuple[str, dict[str, str]]:
     return password, tokens
 
 
-@dataclass
-class Child:
-    """A process this demo started, in a session of its own (so Ctrl-C reaches
-    only the demo, which then stops each child the way it wants)."""
+def stop(child: Process, timeout: float) -> None:
+    """One SIGTERM to the child alone (Ctrl-C reached only the demo, which stops
+    each child the way it wants); SIGKILL its whole session if it is not gone
+    in time, and in any case after, so nothing it started is left."""
+    if child.alive():
+        child.terminate()
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            say(f"{child.name} did not stop within {timeout:g}s: killing it")
+    child.kill()
 
-    name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    log: IO[bytes] | None = None
-    terminated: bool = False
 
-    def start(self) -> None:
-        self.terminated = False
-        self.log = open(LOGS / f"{self.name}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            self.argv,
-            cwd=ROOT,
-            env={**os.environ, **self.env},
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int, *, group: bool = False) -> None:
-        if self.alive:
-            with contextlib.suppress(ProcessLookupError):
-                if group:
-                    os.killpg(self.proc.pid, sig)
-                else:
-                    self.proc.send_signal(sig)
-
-    def terminate(self) -> None:
-        """Exactly one SIGTERM: a second one means "exit now" to the worker and
-        can hang django-q2."""
-        if not self.terminated:
-            self.terminated = True
-            self.signal(signal.SIGTERM)
-
-    def stop(self, timeout: float) -> None:
-        """SIGTERM once; SIGKILL the whole group if it is not gone in time."""
-        if self.alive:
-            self.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                say(f"{self.name} did not stop within {timeout:g}s: killing it")
-        self.kill()
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-
-    def tail(self, lines: int = 15) -> str:
-        text = (LOGS / f"{self.name}.log").read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+def demo_process(
+    name: str, argv: list[str], env: dict[str, str] | None = None
+) -> Process:
+    """A process this demo starts (later), in a session of its own, its output
+    in var/demo/logs/<name>.log."""
+    return Process(
+        name, argv, {**os.environ, **(env or {})}, LOGS / f"{name}.log", start=False
+    )
 
 
 class Demo:
     def __init__(self, tokens: dict[str, str]):
         url = f"http://{BIND}"
         self.url = url
-        self.cluster = Child("qcluster", [PY, "manage.py", "qcluster"])
-        self.web = Child(
-            "gunicorn", [str(ROOT / ".venv/bin/gunicorn"), "-c", "gunicorn.conf.py"]
-        )
-        if not Path(self.web.argv[0]).exists():
-            self.web.argv[0] = str(Path(PY).parent / "gunicorn")
+        self.cluster = demo_process("qcluster", [PY, "manage.py", "qcluster"])
+        # gunicorn.conf.py through the harness (harness/server.py).
+        self.web = Server(os.environ, LOGS / "gunicorn.log", bind=BIND, start=False)
         self.workers = {
-            name: Child(
+            name: demo_process(
                 f"worker-{name}",
                 [
                     PY,
@@ -272,7 +225,7 @@ class Demo:
         while time.monotonic() < deadline:
             if self.stop_requested:
                 return
-            if not self.web.alive:
+            if not self.web.alive():
                 raise Fatal(f"gunicorn exited at start-up:\n{self.web.tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/admin/login/", timeout=2):
@@ -284,14 +237,14 @@ class Demo:
     def tick(self) -> None:
         """Once every half second: watch the children, cause chaos, report."""
         for child in (self.web, self.cluster):
-            if not child.alive:
+            if not child.alive():
                 raise Fatal(f"{child.name} exited unexpectedly:\n{child.tail()}")
         now = time.monotonic()
         for name, worker in self.workers.items():
             if worker is self.flaky and self.restart_at is not None:
                 continue
-            if not worker.alive:
-                say(f"worker {name} exited ({worker.proc.returncode}); restarting it")
+            if not worker.alive():
+                say(f"worker {name} exited ({worker.returncode}); restarting it")
                 worker.kill()
                 worker.start()
         if self.restart_at is not None and now >= self.restart_at:
@@ -339,7 +292,8 @@ class Demo:
 
     def report_progress(self) -> None:
         from batches.models import BatchCounter
-        from jobs import fleet, transitions
+        from engine import fleet
+        from jobs import transitions
 
         c = BatchCounter.objects.all().totals()
         silent = fleet.silent_leases(transitions.now())
@@ -379,7 +333,7 @@ class Demo:
         steps = [(worker, 20.0) for worker in self.workers.values()]
         for child, timeout in (*steps, (self.web, 35.0), (self.cluster, 30.0)):
             try:
-                child.stop(timeout)
+                stop(child, timeout)
             except Exception as error:
                 say(f"could not stop {child.name} cleanly ({error!r}); killing it")
                 with contextlib.suppress(Exception):

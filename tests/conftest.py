@@ -14,11 +14,10 @@ from datetime import datetime
 
 import pytest
 
+from api import worker_limits
 from batches.models import Batch
-from jobs import worker_limits
 from jobs.models import Worker
-
-from .factories import (
+from tests.support.factories import (
     T0,
     WorkerClient,
     is_postgres,
@@ -26,7 +25,7 @@ from .factories import (
     make_user,
     make_worker,
 )
-from .receiver import Receiver
+from tests.support.receiver import Receiver
 
 
 @pytest.hookimpl(trylast=True)

@@ -10,12 +10,11 @@ from django.utils.module_loading import import_string
 from django_q.models import Schedule
 
 from batches.models import Batch
+from engine.reconcile import sweep_state
+from engine.sweep import LOCK_TTL, acquire_lock
 from jobs import transitions
 from jobs.models import Job, Worker
-from jobs.reconcile import sweep_state
-from jobs.sweep import LOCK_TTL, acquire_lock
-
-from .factories import claim, later, make_batch, make_worker
+from tests.support.factories import claim, later, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 
@@ -135,7 +134,7 @@ def test_the_sweep_schedule_exists_after_migrate():
         schedule.minutes,
         schedule.repeats,
     ) == (
-        "jobs.tasks.sweep",
+        "engine.tasks.sweep",
         Schedule.MINUTES,
         1,
         -1,
@@ -146,7 +145,7 @@ def test_the_idempotency_keys_schedule_exists_after_migrate_and_runs():
     schedule = Schedule.objects.get(name="recall-idempotency-keys")
 
     assert (schedule.func, schedule.schedule_type, schedule.repeats) == (
-        "operator_api.tasks.forget_expired_keys",
+        "engine.tasks.forget_expired_keys",
         Schedule.HOURLY,
         -1,
     )

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs import transitions
-
-from .factories import make_batch, make_worker
+from tests.support.factories import make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

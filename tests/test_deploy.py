@@ -16,9 +16,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.metrics import render
-
-from .factories import make_batch
+from recall_site.metrics import render
+from tests.support.factories import make_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "recall-dashboard.json"

@@ -6,8 +6,8 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from jobs.reconcile import sweep_state
-from jobs.sweep import sweep
+from engine.reconcile import sweep_state
+from engine.sweep import sweep
 
 
 def test_healthz_needs_no_database_and_no_known_host():

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from .test_settings import PRODUCTION, manage
+from tests.support.settings import PRODUCTION, manage
 
 SHOW = (
     "import json; from django.conf import settings as s; print(json.dumps(["

@@ -4,28 +4,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCTION = {
-    "PATH": os.environ["PATH"],
-    "SECRET_KEY": "k" * 30 + "-a-long-random-production-secret-value",
-    "ALLOWED_HOSTS": "recall.example.com",
-    "DATABASE_URL": "sqlite:////tmp/recall-settings-test.sqlite3",
-}
-
-
-def manage(*args, env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "manage.py", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+from tests.support.settings import PRODUCTION, ROOT, manage
 
 
 def test_check_deploy_is_clean_in_production_settings():
@@ -175,9 +157,9 @@ def test_gunicorn_workers_freeze_their_start_up_objects():
     run_hook = (
         "import gc, runpy, sys, django; django.setup(); "
         "c = runpy.run_path('gunicorn.conf.py'); "
-        "assert gc.get_freeze_count() == 0 and 'jobs.api' not in sys.modules; "
+        "assert gc.get_freeze_count() == 0 and 'api.worker_views' not in sys.modules; "
         "c['post_worker_init'](None); "
-        "print(gc.get_freeze_count(), 'jobs.api' in sys.modules, "
+        "print(gc.get_freeze_count(), 'api.worker_views' in sys.modules, "
         "len(gc.get_objects()) < 100)"
     )
     result = subprocess.run(

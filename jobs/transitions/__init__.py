@@ -2,7 +2,7 @@
 
 This package is the only code that writes jobs, items, lease-ledger rows,
 progress counters, throughput buckets, tallies, events and the webhook outbox
-(events, their deliveries and attempts; ``outbox.py``, ``webhooks.py``). Each
+(events, their deliveries and attempts; ``outbox.py``, ``webhook_writes.py``). Each
 function below is one transition: it runs in one transaction (or in bounded
 transactions, for bulk actions) and moves, together, the job (``Job.status``
 and its lease fields), its item (``item_status_for(job.status)``), the batch's
@@ -10,11 +10,12 @@ counters and throughput bucket, the job's ledger row and, when it finishes the
 batch, the batch's ``batch.finished`` event; or writes nothing.
 
 Two backends write the hot transitions (claim, complete, reclaim), chosen once
-per connection (``backends.py``): the portable ORM backend (``orm.py``, the
+per connection (``choice.py``) behind one declared interface
+(``backends/base.py``): the portable ORM backend (``backends/orm.py``, the
 reference and PostgreSQL's healing path) and the PostgreSQL statement backend
-(``postgres.py`` with ``statements.py``). The other transitions are portable
-ORM code shared by both (``actions.py``, ``repairs.py``, ``retention.py``,
-``workers.py``).
+(``backends/postgres.py`` with ``backends/statements.py``). The other
+transitions are portable ORM code shared by both (``actions.py``,
+``repairs.py``, ``purge.py``, ``webhook_writes.py``, ``workers.py``).
 A differential test runs every transition through both and compares the rows.
 
 Time: ``now=None`` means the database's clock on PostgreSQL (web nodes and
@@ -37,13 +38,13 @@ from django.db.models import QuerySet
 from batches.models import Batch
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
-from . import actions, repairs, retention, rules, webhooks, workers
+from . import actions, purge, repairs, rules, webhook_writes, workers
 from .actions import Audit
-from .backends import backend
-from .orm import ItemRow
-from .retention import Purged
+from .backends import ItemRow
+from .choice import backend
+from .purge import Purged
 from .rows import log_lease
-from .webhooks import Claimed, Outcome
+from .webhook_writes import Claimed, Outcome
 
 __all__ = [
     "Audit",
@@ -87,7 +88,7 @@ __all__ = [
     "reencrypt_webhook_secrets",
     "release",
     "release_webhook_dispatcher",
-    "reopen_batch",
+    "reopen_batch_of",
     "restore_lease_row",
     "resume_batch",
     "retry_failed",
@@ -171,7 +172,9 @@ def claim_next(
     counts the worker's live leases after its turn came, so simultaneous
     claims (plain or woken long-polls, on any number of processes) never
     lease it more. TooManyLeases when it holds that many already and there
-    is a job it could take; nothing is written then.
+    is a job it could take; nothing is written then. WorkerDisabled when the
+    worker was disabled after its request was authenticated (the turn sees
+    every disable committed before it): a disabled worker never gets a lease.
     """
     limit = rules.max_leases() if max_leases is None else max_leases
     job = backend().claim_next(worker, now=now, max_leases=limit)
@@ -430,8 +433,8 @@ def fail_exhausted(job: Job | int, *, now: datetime | None = None) -> bool:
     return repairs.fail_exhausted(_pk(job), now=_now(now))
 
 
-def reopen_batch(job: Job | int, *, now: datetime | None = None) -> bool:
-    return repairs.reopen_batch(_pk(job), now=_now(now))
+def reopen_batch_of(job: Job | int, *, now: datetime | None = None) -> bool:
+    return repairs.reopen_batch_of(_pk(job), now=_now(now))
 
 
 def recount(
@@ -472,7 +475,7 @@ def purge_batch_chunk(
     the counters; the batch itself once none is left. Only a batch finished
     (or cancelled and settled) before ``finished_before``, re-checked under
     its lock; otherwise nothing is deleted and ``refused`` says why."""
-    return retention.purge_chunk(
+    return purge.purge_chunk(
         batch_id,
         finished_before=finished_before,
         limit=settings.RECALL_CHUNK_SIZE if limit is None else limit,
@@ -490,8 +493,8 @@ def create_webhook_endpoint(
     now: datetime | None = None,
 ) -> tuple[WebhookEndpoint, str]:
     """A new endpoint and its secret (shown once, stored encrypted). The caller
-    has checked the destination (``jobs.webhooks.endpoints``)."""
-    return webhooks.create_endpoint(
+    has checked the destination (``engine.webhooks.endpoints``)."""
+    return webhook_writes.create_endpoint(
         url, events=events, description=description, now=_now(now)
     )
 
@@ -502,14 +505,14 @@ def rotate_webhook_secret(
     """A new secret (shown once); the old one is signed with too for
     ``RECALL_WEBHOOK_ROTATION_HOURS``."""
     pk = endpoint if isinstance(endpoint, int) else endpoint.pk
-    return webhooks.rotate_secret(pk, now=_now(now))
+    return webhook_writes.rotate_secret(pk, now=_now(now))
 
 
-def reencrypt_webhook_secrets() -> webhooks.Reencrypted:
+def reencrypt_webhook_secrets() -> webhook_writes.Reencrypted:
     """Every endpoint's secrets under the current ``SECRET_KEY`` (those a
     ``SECRET_KEY_FALLBACKS`` key decrypts are encrypted again); see
     ``manage.py reencrypt_webhook_secrets``."""
-    return webhooks.reencrypt_secrets()
+    return webhook_writes.reencrypt_secrets()
 
 
 def set_webhook_endpoint_active(
@@ -520,24 +523,24 @@ def set_webhook_endpoint_active(
     now: datetime | None = None,
 ) -> bool:
     pk = endpoint if isinstance(endpoint, int) else endpoint.pk
-    return webhooks.set_endpoint_active(pk, active, reason=reason, now=_now(now))
+    return webhook_writes.set_endpoint_active(pk, active, reason=reason, now=_now(now))
 
 
 def send_test_webhook(
     endpoint: WebhookEndpoint, *, now: datetime | None = None
 ) -> WebhookEvent:
-    return webhooks.send_test_event(endpoint, now=_now(now))
+    return webhook_writes.send_test_event(endpoint, now=_now(now))
 
 
 def redeliver_webhooks(event_ids: Iterable[int], *, now: datetime | None = None) -> int:
     """Make every delivery of these events due now; how many."""
-    return webhooks.redeliver(event_ids, now=_now(now))
+    return webhook_writes.redeliver(event_ids, now=_now(now))
 
 
 def webhook_signing_secrets(
     endpoint: WebhookEndpoint, *, now: datetime | None = None
 ) -> list[str]:
-    return webhooks.signing_secrets(endpoint, now=_now(now))
+    return webhook_writes.signing_secrets(endpoint, now=_now(now))
 
 
 def claim_webhook_deliveries(
@@ -548,26 +551,30 @@ def claim_webhook_deliveries(
     now: datetime | None = None,
 ) -> list[Claimed]:
     """Take due deliveries, each under a lease (compare-and-set)."""
-    return webhooks.claim_deliveries(now=_now(now), limit=limit, lease=lease, ids=ids)
+    return webhook_writes.claim_deliveries(
+        now=_now(now), limit=limit, lease=lease, ids=ids
+    )
 
 
 def record_webhook_attempt(
     claimed: Claimed, outcome: Outcome, *, now: datetime | None = None
 ) -> str | None:
-    return webhooks.record_attempt(claimed, outcome, now=_now(now))
+    return webhook_writes.record_attempt(claimed, outcome, now=_now(now))
 
 
 def acquire_webhook_dispatcher(
     owner: str, *, ttl: timedelta, handover: str = "", now: datetime | None = None
 ) -> bool:
-    return webhooks.acquire_dispatcher(owner, now=_now(now), ttl=ttl, handover=handover)
+    return webhook_writes.acquire_dispatcher(
+        owner, now=_now(now), ttl=ttl, handover=handover
+    )
 
 
 def hand_over_webhook_dispatcher(
     owner: str, token: str, *, now: datetime | None = None
 ) -> bool:
-    return webhooks.hand_over_dispatcher(owner, token, now=_now(now))
+    return webhook_writes.hand_over_dispatcher(owner, token, now=_now(now))
 
 
 def release_webhook_dispatcher(owner: str) -> None:
-    webhooks.release_dispatcher(owner)
+    webhook_writes.release_dispatcher(owner)

@@ -58,7 +58,7 @@ log = logging.getLogger("recall.webhooks")
 
 # The django-q2 task that makes first attempts (named, not imported: the
 # transition layer does not import the doors above it).
-DELIVER_TASK = "jobs.tasks.deliver_webhooks"
+DELIVER_TASK = "engine.tasks.deliver_webhooks"
 
 _finishing: ContextVar[set[int] | None] = ContextVar("recall_finishing", default=None)
 

@@ -1,6 +1,6 @@
 """The repairs reconciliation applies, each a transition of its own.
 
-``jobs.reconcile`` decides what to heal; these functions heal one thing each,
+``engine.reconcile`` decides what to heal; these functions heal one thing each,
 in a short transaction, and log every repair (an event row, a WARNING line and
 the repairs tally). The job row is the authority: a repair brings items,
 ledger rows, counters and batch flags in line with it, and never changes a
@@ -121,7 +121,7 @@ def fail_exhausted(job_id: int, *, now: datetime) -> bool:
     return True
 
 
-def reopen_batch(job_id: int, *, now: datetime) -> bool:
+def reopen_batch_of(job_id: int, *, now: datetime) -> bool:
     """Clear ``finished_at`` of the batch of an unfinished job: a batch marked
     finished while it had work would never be claimed from again."""
     with transaction.atomic():

@@ -12,10 +12,9 @@ from django.test import Client
 from django.utils import timezone
 
 from batches.models import Batch
-from batches.progress import BatchState, format_duration, progress_for
+from engine.progress import BatchState, format_duration, progress_for
 from jobs import transitions
-
-from ..factories import make_batch, make_user
+from tests.support.factories import make_batch, make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -15,12 +15,17 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from batches.models import Batch, ItemStatus
+from console.admin.job_actions import CANCEL_QUEUED, FORCE_RECLAIM, REQUEUE_FAILED
 from jobs import transitions
-from jobs.admin.job_actions import CANCEL_QUEUED, FORCE_RECLAIM, REQUEUE_FAILED
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-
-from ..factories import assert_consistent, failpoint, jobs_of, make_batch, snapshot
-from .conftest import JOBS, act, messages_of
+from tests.support.admin import JOBS, act, messages_of
+from tests.support.factories import (
+    assert_consistent,
+    failpoint,
+    jobs_of,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -372,7 +377,7 @@ def test_a_long_run_stops_at_the_time_limit_and_the_next_run_goes_on(
     staff, settings, monkeypatch
 ):
     settings.RECALL_CHUNK_SIZE = 2
-    monkeypatch.setattr("jobs.admin.job.ACTION_SECONDS", 0)  # stop after one chunk
+    monkeypatch.setattr("console.admin.job.ACTION_SECONDS", 0)  # stop after one chunk
     batch = make_batch(5)
     user, client = staff("oncall", "jobs.view_job", "jobs.cancel_job")
     url = f"{JOBS}?batch__id__exact={batch.pk}"

@@ -7,13 +7,12 @@ import pytest
 from django.contrib.admin.models import LogEntry
 from django.utils import timezone
 
-from batches.admin_support import RECENT_BATCHES
 from batches.models import Batch, BatchItem
+from console.admin.support import RECENT_BATCHES
 from jobs import transitions
 from jobs.models import Event, Lease
-
-from ..factories import is_postgres, jobs_of, make_batch, snapshot
-from .conftest import JOBS, VIEW_ALL, act
+from tests.support.admin import JOBS, VIEW_ALL, act
+from tests.support.factories import is_postgres, jobs_of, make_batch, snapshot
 
 pytestmark = pytest.mark.django_db
 

@@ -10,9 +10,8 @@ from django.utils import timezone
 from batches.models import BatchItem, ItemStatus
 from jobs import transitions
 from jobs.models import Event
-
-from ..factories import jobs_of, make_batch, snapshot
-from .conftest import JOBS, VIEW_ALL, WORKERS, act, messages_of, permission
+from tests.support.admin import JOBS, VIEW_ALL, WORKERS, act, messages_of, permission
+from tests.support.factories import jobs_of, make_batch, snapshot
 
 pytestmark = pytest.mark.django_db
 

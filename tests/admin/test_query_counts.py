@@ -11,9 +11,8 @@ from django.utils import timezone
 
 from jobs import transitions
 from jobs.models import Job, Lease
-
-from ..factories import make_batch, make_worker
-from .conftest import JOBS, VIEW_ALL, act
+from tests.support.admin import JOBS, VIEW_ALL, act
+from tests.support.factories import make_batch, make_worker
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres]
 
@@ -65,7 +64,7 @@ def big(staff):
 # what a page of one does.
 MAX_QUERIES = 9
 # The batch list also reads its rows' progress, as the operator UI's list does
-# (batches.progress.progress_for_many): four queries for the whole page, and the
+# (engine.progress.progress_for_many): four queries for the whole page, and the
 # time they are read at, from the database's clock on PostgreSQL: one more.
 PAGE_PROGRESS_QUERIES = 5
 
@@ -119,7 +118,7 @@ def test_pages_render_in_a_fixed_number_of_queries(big, django_assert_max_num_qu
 
 def test_a_big_unfiltered_list_shows_an_estimate_instead_of_counting(big, monkeypatch):
     client, _ = big
-    monkeypatch.setattr("batches.admin_support.ESTIMATE_ABOVE", 1_000)
+    monkeypatch.setattr("console.admin.support.ESTIMATE_ABOVE", 1_000)
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE jobs_job")
 

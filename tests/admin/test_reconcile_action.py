@@ -11,12 +11,11 @@ from django.contrib.contenttypes.models import ContentType
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem, ItemStatus
+from engine.sweep import LOCK_TTL, acquire_lock
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease
-from jobs.sweep import LOCK_TTL, acquire_lock
-
-from ..factories import assert_consistent, jobs_of, make_batch
-from .conftest import act
+from tests.support.admin import act
+from tests.support.factories import assert_consistent, jobs_of, make_batch
 
 pytestmark = pytest.mark.django_db
 

@@ -7,19 +7,18 @@ from __future__ import annotations
 import pytest
 from django.contrib.admin.models import LogEntry
 
+from engine.webhooks import delivery
 from jobs import transitions
+from jobs import webhook_keys as webhook_secrets
 from jobs.models import (
     WebhookAttempt,
     WebhookDelivery,
     WebhookEndpoint,
     WebhookEvent,
 )
-from jobs.webhooks import delivery
-from jobs.webhooks import keys as webhook_secrets
-
-from ..factories import T0, claim, make_batch, make_endpoint
-from ..receiver import Answer
-from .conftest import act, messages_of
+from tests.support.admin import act, messages_of
+from tests.support.factories import T0, claim, make_batch, make_endpoint
+from tests.support.receiver import Answer
 
 pytestmark = pytest.mark.django_db
 

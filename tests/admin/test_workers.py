@@ -10,9 +10,8 @@ from django.contrib.contenttypes.models import ContentType
 from jobs import transitions
 from jobs.models import Event, Job, Worker
 from jobs.tokens import hash_token
-
-from ..factories import WorkerClient, make_batch, make_worker
-from .conftest import WORKERS, act, messages_of
+from tests.support.admin import WORKERS, act, messages_of
+from tests.support.factories import WorkerClient, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

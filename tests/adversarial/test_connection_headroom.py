@@ -25,9 +25,8 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Worker
-
-from ..factories import make_batch, make_worker
-from .clients import (
+from tests.support.factories import make_batch, make_worker
+from tests.support.raw_clients import (
     call,
     claim_bytes,
     closed_by_server,

@@ -26,8 +26,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import Client
 
-from batches import background
-from batches.intakes import Intake
+from batches.intake_records import Intake
 from batches.json_limits import (
     MAX_JSON_DEPTH,
     flatten_deeper_than,
@@ -35,12 +34,12 @@ from batches.json_limits import (
 )
 from batches.models import Batch, BatchItem
 from batches.numbers import whole_number
-from batches.tasks import run_intake
+from engine import background_intake as background
+from engine.tasks import run_intake
 from jobs import transitions
 from jobs.models import Job, JobStatus, WebhookEvent
 from operator_api import tokens
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     WorkerClient,
     claim,
@@ -51,7 +50,7 @@ from ..factories import (
     make_user,
     make_worker,
 )
-from ..test_server import ROOT, start_server
+from tests.support.server import ROOT, start_server
 
 pytestmark = pytest.mark.django_db
 

@@ -16,8 +16,8 @@ import time
 import pytest
 from django.utils import timezone
 
-from ..factories import make_batch, make_worker
-from .clients import call, connect, healthz, read_response, serving
+from tests.support.factories import make_batch, make_worker
+from tests.support.raw_clients import call, connect, healthz, read_response, serving
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

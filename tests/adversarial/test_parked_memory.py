@@ -4,7 +4,7 @@ Before, a waiting claim kept its whole request body (the server ran the view
 again on it when woken), and so did Django's request until the garbage
 collector broke its reference cycles: 20 claims with 5 MB bodies took a
 process from 65 to 217 MB. Now it keeps its parsed parameters
-(``jobs.waiter.ClaimRequest``), the request's body is released when its
+(``api.waiter.ClaimRequest``), the request's body is released when its
 response is made, and large blocks go back to the system when freed.
 """
 
@@ -18,9 +18,8 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Job, JobStatus, Worker
-
-from ..factories import jobs_of, make_batch, make_worker
-from .clients import connect, read_response, request_bytes, serving
+from tests.support.factories import jobs_of, make_batch, make_worker
+from tests.support.raw_clients import connect, read_response, request_bytes, serving
 
 pytestmark = [
     pytest.mark.slow,

@@ -14,18 +14,15 @@ from __future__ import annotations
 import os
 import re
 import stat
-import subprocess
-import sys
 import time
 
 import pytest
 
+from harness.server import Server, free_port
 from recall_site import rundir
-
-from ..factories import make_worker
-from ..pgserver import free_port
-from ..test_server import ROOT, served_database_url
-from .clients import claim_bytes, connect, serving
+from tests.support.factories import make_worker
+from tests.support.raw_clients import claim_bytes, connect, serving
+from tests.support.server import served_database_url
 
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
 
@@ -76,28 +73,22 @@ def test_the_server_keeps_its_files_in_a_directory_of_its_own(tmp_path):
 def _refused(tmp_path, env: dict) -> str:
     """Start the server with ``env``; it must exit at once, refusing to start:
     what it said."""
+    port = free_port()
     full_env = {
         "PATH": os.environ["PATH"],
         "SECRET_KEY": os.environ["SECRET_KEY"],
         "DATABASE_URL": served_database_url(),
         "RECALL_HTTPS": "off",
-        "RECALL_BIND": f"127.0.0.1:{free_port()}",
         "RECALL_STARTUP_SWEEP": "off",
         "WEB_CONCURRENCY": "1",
         "RECALL_WEB_THREADS": "2",
         **env,
     }
-    result = subprocess.run(
-        [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode != 0
-    assert "Booting worker" not in result.stdout + result.stderr
-    return result.stderr
+    server = Server(full_env, tmp_path / "refused.log", port=port)
+    assert server.wait(timeout=30) != 0
+    said = server.text()
+    assert "Booting worker" not in said
+    return said
 
 
 def _planted_world_writable(tmp, tmp_path):

@@ -17,8 +17,8 @@ import time
 import pytest
 from django.utils import timezone
 
-from ..factories import make_batch, make_worker
-from .clients import (
+from tests.support.factories import make_batch, make_worker
+from tests.support.raw_clients import (
     call,
     closed_by_server,
     connect,

@@ -16,11 +16,10 @@ from django.contrib.auth.models import Permission
 from django.contrib.contenttypes.models import ContentType
 from django.test import Client
 
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookEndpoint, WebhookEvent, url_origin
-from jobs.webhooks import delivery
-
-from ..factories import T0, claim, make_batch, make_endpoint, make_user
+from tests.support.factories import T0, claim, make_batch, make_endpoint, make_user
 
 pytestmark = pytest.mark.django_db
 

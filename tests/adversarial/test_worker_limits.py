@@ -22,9 +22,8 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Job, JobStatus, Worker
-
-from ..factories import make_batch, make_worker
-from ..test_server import _healthy, start_server
+from tests.support.factories import make_batch, make_worker
+from tests.support.server import healthy, start_server
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -189,7 +188,7 @@ def test_waiting_claims_of_a_killed_process_do_not_lock_their_worker_out(tmp_pat
         # The killed process's connections close; the master boots another.
         assert answered_within(held, 10.0) == held
         deadline = time.monotonic() + 60
-        while log.read_text().count("Booting worker") < 2 or not _healthy(port):
+        while log.read_text().count("Booting worker") < 2 or not healthy(port):
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
 

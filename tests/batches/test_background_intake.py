@@ -9,13 +9,12 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import connection
 from django_q.models import OrmQ
 
-from batches import background
-from batches.intake import ManifestInvalid, create_batch
-from batches.intakes import Intake, IntakeChunk, IntakePhase, IntakeStatus
+from batches.intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
 from batches.models import Batch, BatchItem
-from batches.tasks import run_intake
-
-from ..factories import T0, assert_consistent, failpoint, later, make_user
+from engine import background_intake as background
+from engine.manifests import ManifestInvalid, create_batch
+from engine.tasks import run_intake
+from tests.support.factories import T0, assert_consistent, failpoint, later, make_user
 
 pytestmark = pytest.mark.django_db
 
@@ -56,7 +55,7 @@ def test_the_upload_is_stored_in_pieces_and_queued_once_committed(
     assert len(pieces) == -(-len(data) // 1000)
     assert b"".join(bytes(p) for p in pieces) == data
     (queued,) = OrmQ.objects.all()
-    assert queued.task["func"] == "batches.tasks.run_intake"
+    assert queued.task["func"] == "engine.tasks.run_intake"
     assert queued.task["args"] == (intake.pk,)
     assert not Batch.objects.exists()
 

@@ -14,8 +14,7 @@ from batches.exports import spreadsheet_safe, srt
 from batches.models import BatchItem
 from jobs import transitions
 from jobs.models import Job
-
-from ..factories import claim, make_batch, make_user
+from tests.support.factories import claim, make_batch, make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -1,16 +1,15 @@
 import pytest
 
-from batches.intake import (
+from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem
+from engine.manifests import (
     Entry,
     LineError,
     ManifestInvalid,
     create_batch,
     parse_manifest,
 )
-from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem
 from jobs.models import Job, JobStatus
-
-from ..factories import assert_consistent
+from tests.support.factories import assert_consistent
 
 
 def parse(text: str | bytes) -> list:

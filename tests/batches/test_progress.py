@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 
 from batches.models import Batch
-from batches.progress import (
+from engine.progress import (
     BatchState,
     batch_state,
     chart_bars,
@@ -20,8 +20,7 @@ from batches.progress import (
 )
 from jobs import transitions
 from jobs.models import Job
-
-from ..factories import T0, claim, later, make_batch
+from tests.support.factories import T0, claim, later, make_batch
 
 # --- Pure functions ------------------------------------------------------------------
 

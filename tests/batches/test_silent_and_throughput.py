@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from batches.progress import (
+from engine import fleet
+from engine.progress import (
     RetryWait,
     apart_silent,
     is_silent,
@@ -17,10 +18,9 @@ from batches.progress import (
     throughput_per_minute,
     window_text,
 )
-from jobs import fleet, transitions
+from jobs import transitions
 from jobs.transitions.rules import heartbeat_interval, silent_after
-
-from ..factories import T0, claim, later, make_batch
+from tests.support.factories import T0, claim, later, make_batch
 
 COUNTS = {"queued": 2, "transcribing": 8, "done": 5, "failed": 1, "cancelled": 0}
 

@@ -21,6 +21,8 @@ from django.db import connection, transaction
 from django.test.utils import override_settings
 
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
+from engine.reconcile import reconcile
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import (
@@ -34,11 +36,8 @@ from jobs.models import (
     WebhookEvent,
     Worker,
 )
-from jobs.reconcile import reconcile
-from jobs.sweep import sweep
 from jobs.tokens import TOKEN_PREFIX_LENGTH
-
-from ..factories import T0, make_batch
+from tests.support.factories import T0, make_batch
 
 BACKENDS = ("auto", "orm")  # the PostgreSQL statement backend, the ORM backend
 WORKERS = 3

@@ -12,8 +12,7 @@ from django.utils import timezone
 
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, Worker
-
-from ..factories import jobs_of, make_batch, snapshot
+from tests.support.factories import jobs_of, make_batch, snapshot
 
 pytestmark = pytest.mark.django_db
 
@@ -71,7 +70,7 @@ def test_claim_returns_the_documented_shape(api):
 
 
 def test_claim_passes_the_params_from_the_manifest(api):
-    from batches.intake import create_batch
+    from engine.manifests import create_batch
 
     lines = ["source,duration_seconds,language\n", "s3://b/a.wav,12.5,de\n"]
     create_batch("csv", lambda: iter(lines))

@@ -23,8 +23,7 @@ from batches.streaming import EXPORT_SLOTS
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease
 from recall_site.wsgi import application
-
-from ..factories import make_batch, make_user
+from tests.support.factories import make_batch, make_user
 
 schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", application)
 worker_schema = schema.include(tag="worker")

@@ -9,11 +9,18 @@ import pytest
 from django.db import DatabaseError
 
 from batches.models import Batch, BatchMinute
+from engine.reconcile import reconcile
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease
-from jobs.reconcile import reconcile
-
-from ..factories import T0, claim, failpoint, jobs_of, later, make_batch, snapshot
+from tests.support.factories import (
+    T0,
+    claim,
+    failpoint,
+    jobs_of,
+    later,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 

@@ -5,8 +5,7 @@ import pytest
 from batches.models import ItemStatus
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,

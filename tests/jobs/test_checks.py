@@ -3,11 +3,10 @@ written behind Recall's back, as a faulty migration or a manual fix would)."""
 
 import pytest
 
+from engine.checks import find_violations
 from jobs import transitions
-from jobs.checks import find_violations
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
-
-from ..factories import claim, later, make_batch
+from tests.support.factories import claim, later, make_batch
 
 pytestmark = pytest.mark.django_db
 

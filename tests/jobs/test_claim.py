@@ -3,12 +3,11 @@ from datetime import timedelta
 import pytest
 
 from batches.models import Batch, BatchItem, ItemStatus
+from engine.sweep import sweep
 from jobs import transitions
-from jobs.exceptions import TooManyLeases
-from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-from jobs.sweep import sweep
-
-from ..factories import (
+from jobs.exceptions import TooManyLeases, WorkerDisabled
+from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd, Worker
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,
@@ -287,3 +286,24 @@ def test_a_claimed_job_carries_the_times_the_orm_reads(worker, batch):
         stored.item.created_at,
         stored.item.created_at.tzinfo,
     )
+
+
+def test_a_claim_by_a_worker_disabled_after_authentication_leases_nothing(
+    worker, batch
+):
+    """The request was authenticated while the worker was active, then an
+    operator disabled it (``disable_and_reclaim`` committed) before the claim
+    took its turn: the claim sees the disable under the worker's lock and
+    leases nothing, in both backends."""
+    authenticated = Worker.objects.get(pk=worker.pk)  # is_active, as it was read
+    held = claim(worker)
+    transitions.disable_and_reclaim(worker, now=later(1))
+    before = snapshot(*jobs_of(batch))
+
+    with pytest.raises(WorkerDisabled, match=r"^Worker 'gpu-1' is disabled\.$"):
+        transitions.claim_next(authenticated, now=later(2))
+
+    assert snapshot(*jobs_of(batch)) == before
+    assert not Job.objects.filter(leased_by=worker).exists()
+    assert Lease.objects.get(job_id=held.pk).end_reason == LeaseEnd.FORCED
+    assert_consistent(later(2))

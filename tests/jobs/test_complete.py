@@ -1,12 +1,17 @@
 import pytest
 
 from batches.models import BatchItem, ItemStatus
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-from jobs.sweep import sweep
-
-from ..factories import assert_consistent, claim, later, make_batch, snapshot
+from tests.support.factories import (
+    assert_consistent,
+    claim,
+    later,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 

@@ -12,47 +12,21 @@ from collections import Counter
 import pytest
 from django.db import connections
 
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.exceptions import LeaseLost, TooManyLeases
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
-from jobs.sweep import sweep
-from jobs.transitions.statements import RECLAIM_GATE_KEY
-
-from ..factories import (
+from jobs.transitions.backends.statements import RECLAIM_GATE_KEY
+from tests.support.factories import (
     WorkerClient,
     assert_consistent,
     later,
     make_batch,
     make_worker,
 )
+from tests.support.threads import THREADS, run_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-THREADS = 8
-
-
-def run_threads(target, n: int = THREADS) -> list:
-    """Start n threads on ``target(i, barrier)`` together; return their results."""
-    barrier = threading.Barrier(n)
-    results: list = [None] * n
-    errors: list = []
-
-    def body(i: int) -> None:
-        try:
-            results[i] = target(i, barrier)
-        except BaseException as error:  # surfaced below, with its traceback
-            errors.append(error)
-        finally:
-            connections.close_all()
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return results
 
 
 def test_concurrent_claims_never_hand_out_the_same_job(settings):

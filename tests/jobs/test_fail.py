@@ -7,8 +7,14 @@ from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
 from jobs.transitions.rules import MAX_ERROR_CHARS
-
-from ..factories import T0, assert_consistent, claim, later, make_batch, snapshot
+from tests.support.factories import (
+    T0,
+    assert_consistent,
+    claim,
+    later,
+    make_batch,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 

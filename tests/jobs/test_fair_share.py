@@ -9,8 +9,13 @@ from django.db import connections
 
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus
-
-from ..factories import T0, assert_consistent, later, make_batch, make_worker
+from tests.support.factories import (
+    T0,
+    assert_consistent,
+    later,
+    make_batch,
+    make_worker,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -172,7 +177,7 @@ def test_share_changes_are_events_with_who_and_what(worker, django_user_model):
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_the_cap_holds_under_sixteen_concurrent_claimers():
-    from .test_concurrency import run_threads
+    from tests.support.threads import run_threads
 
     capped = make_batch(40, name="capped", priority=1)
     other = make_batch(40, name="other")

@@ -5,8 +5,7 @@ import pytest
 from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import Job, Lease
-
-from ..factories import claim, later, make_batch, snapshot
+from tests.support.factories import claim, later, make_batch, snapshot
 
 pytestmark = pytest.mark.django_db
 

@@ -1,6 +1,6 @@
 """Long-poll claims in the view and the waker's probe (the server's side, the
 holding of parked claims, is tested against real gunicorn in
-``tests/test_long_poll_server.py``)."""
+``tests/system/test_long_poll_server.py``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
+from api.waiter import WAITER_KEY, ClaimRequest, Waiter
+from api.worker_views import claims_for_waiting
+from engine.longpoll import claimable_jobs
 from jobs import transitions
-from jobs.api import claims_for_waiting
-from jobs.longpoll import claimable_jobs
 from jobs.models import Job, JobStatus
-from jobs.waiter import WAITER_KEY, ClaimRequest, Waiter
-
-from ..factories import T0, claim, jobs_of, later, make_batch, make_worker
+from tests.support.factories import T0, claim, jobs_of, later, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

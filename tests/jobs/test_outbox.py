@@ -18,7 +18,9 @@ from django.db import DatabaseError, connection
 from django.test.utils import override_settings
 
 from batches.models import Batch, BatchCounter, BatchItem, ItemStatus
-from batches.progress import progress_for
+from engine.progress import progress_for
+from engine.reconcile import reconcile
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import (
     Job,
@@ -27,10 +29,7 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
-from jobs.reconcile import reconcile
-from jobs.sweep import sweep
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,
@@ -440,7 +439,7 @@ def test_other_batches_are_left_alone(worker):
 
 
 def test_recall_check_reports_a_finish_without_its_event(worker):
-    from jobs.checks import find_violations
+    from engine.checks import find_violations
 
     batch = make_batch(1)
     _complete(worker, claim(worker))

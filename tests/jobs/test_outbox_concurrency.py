@@ -9,8 +9,7 @@ import pytest
 from batches.models import Batch
 from jobs import transitions
 from jobs.models import WebhookDelivery, WebhookEvent
-
-from ..factories import (
+from tests.support.factories import (
     assert_consistent,
     finished_events,
     later,
@@ -18,7 +17,7 @@ from ..factories import (
     make_endpoint,
     make_worker,
 )
-from .test_concurrency import run_threads
+from tests.support.threads import run_threads
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,30 +8,27 @@ from __future__ import annotations
 
 import gzip
 import json
-from datetime import timedelta
 
 import pytest
 from django.core.management import CommandError, call_command
 
-from batches.archive import ArchiveRefused, archive_path
 from batches.exports import jsonl_lines
-from batches.intakes import Intake
-from batches.models import Batch, BatchCounter, BatchItem, BatchMinute
-from jobs import fleet, transitions
-from jobs.metrics import render
+from batches.intake_records import Intake
+from batches.models import Batch
+from engine import fleet
+from engine.archive import ArchiveRefused, archive_path
+from engine.retention import purge, purgeable
+from engine.sweep import sweep
+from jobs import transitions
 from jobs.models import (
     DeliveryStatus,
-    Event,
     Job,
     Lease,
     Tally,
     WebhookDelivery,
-    WebhookEvent,
 )
-from jobs.retention import purge, purgeable
-from jobs.sweep import sweep
-
-from ..factories import (
+from recall_site.metrics import render
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,
@@ -41,48 +38,9 @@ from ..factories import (
     make_endpoint,
     snapshot,
 )
+from tests.support.purge import DAY, GONE, finished_batch, rows_of
 
 pytestmark = pytest.mark.django_db
-
-DAY = timedelta(days=1)
-
-
-def finished_batch(worker, n=3, *, failed=0, name="old", at=T0) -> Batch:
-    """A batch whose ``n`` jobs ran at ``at``: the last ``failed`` of them failed
-    for good, the others completed (so the last transition finished it)."""
-    batch = make_batch(n, name=name, now=at)
-    for i in range(n):
-        job = claim(worker, at)
-        if i >= n - failed:
-            transitions.fail(
-                job, job.lease_token, worker=worker, error="bad", retryable=False,
-                now=at,
-            )  # fmt: skip
-        else:
-            transitions.complete(
-                job, job.lease_token, worker=worker, result={"text": f"t{i}"}, now=at
-            )
-    batch.refresh_from_db()
-    assert batch.finished_at == at
-    return batch
-
-
-def rows_of(batch_id: int) -> dict[str, int]:
-    return {
-        "batch": Batch.objects.filter(pk=batch_id).count(),
-        "items": BatchItem.objects.filter(batch_id=batch_id).count(),
-        "jobs": Job.objects.filter(batch_id=batch_id).count(),
-        "leases": Lease.objects.filter(job__batch_id=batch_id).count(),
-        "events": Event.objects.filter(batch_id=batch_id).count(),
-        "counters": BatchCounter.objects.filter(batch_id=batch_id).count(),
-        "minutes": BatchMinute.objects.filter(batch_id=batch_id).count(),
-        "outbox": WebhookEvent.objects.filter(batch_id=batch_id).count(),
-    }
-
-
-GONE = dict.fromkeys(
-    ("batch", "items", "jobs", "leases", "events", "counters", "minutes", "outbox"), 0
-)
 
 
 def deliver_everything() -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from batches import archive as archives
-from batches.archive import ArchiveRefused, archive_path
-from jobs.retention import purge
-
-from .test_purge import DAY, GONE, T0, finished_batch, rows_of
+from engine import archive as archives
+from engine.archive import ArchiveRefused, archive_path
+from engine.retention import purge
+from tests.support.factories import T0
+from tests.support.purge import DAY, GONE, finished_batch, rows_of
 
 pytestmark = pytest.mark.django_db
 

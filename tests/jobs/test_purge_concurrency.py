@@ -21,8 +21,7 @@ from batches.models import Batch, BatchCounter, BatchItem
 from bench import seed
 from jobs import transitions
 from jobs.models import Job, Lease, Tally
-
-from ..factories import T0, assert_consistent, claim, jobs_of, make_batch
+from tests.support.factories import T0, assert_consistent, claim, jobs_of, make_batch
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -221,7 +220,7 @@ def test_two_purges_at_once_delete_each_job_once():
     reports, errors = [], []
 
     def run() -> None:
-        from jobs.retention import purge
+        from engine.retention import purge
 
         try:
             reports.append(purge(older_than=timedelta(days=1), chunk=50))

@@ -1,11 +1,10 @@
 import pytest
 
 from batches.models import Batch, BatchItem, ItemStatus
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-from jobs.sweep import sweep
-
-from ..factories import (
+from tests.support.factories import (
     T0,
     assert_consistent,
     claim,

@@ -4,12 +4,18 @@ and counted, and that a consistent database is left alone."""
 import pytest
 
 from batches.models import Batch, BatchCounter, BatchItem, ItemStatus
+from engine.reconcile import reconcile, sweep_state
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus, Lease, LeaseEnd
-from jobs.reconcile import reconcile, sweep_state
-from jobs.sweep import sweep
-
-from ..factories import T0, assert_consistent, claim, jobs_of, later, make_batch
+from tests.support.factories import (
+    T0,
+    assert_consistent,
+    claim,
+    jobs_of,
+    later,
+    make_batch,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -194,7 +200,7 @@ def test_wrong_counters_are_fixed_by_a_full_recount(batch):
 def test_the_sweep_scan_is_bounded_and_resumes_where_it_stopped(
     db, settings, monkeypatch
 ):
-    monkeypatch.setattr("jobs.reconcile.SCAN_WINDOW", 2)
+    monkeypatch.setattr("engine.reconcile.SCAN_WINDOW", 2)
     batch = make_batch(5)
     last = jobs_of(batch)[-1]
     BatchItem.objects.filter(pk=last.item_id).update(status=ItemStatus.DONE)

@@ -4,8 +4,7 @@ from batches.models import ItemStatus
 from jobs import transitions
 from jobs.exceptions import LeaseLost
 from jobs.models import JobStatus, Lease, LeaseEnd
-
-from ..factories import assert_consistent, claim, later, snapshot
+from tests.support.factories import assert_consistent, claim, later, snapshot
 
 pytestmark = pytest.mark.django_db
 

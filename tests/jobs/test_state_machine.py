@@ -22,8 +22,10 @@ from hypothesis.stateful import (
 )
 
 from batches.models import Batch
+from engine.checks import find_violations
+from engine.reconcile import reconcile
+from engine.sweep import sweep
 from jobs import transitions
-from jobs.checks import find_violations
 from jobs.exceptions import LeaseLost
 from jobs.models import (
     TERMINAL_JOB_STATUSES,
@@ -34,10 +36,7 @@ from jobs.models import (
     LeaseEnd,
     Worker,
 )
-from jobs.reconcile import reconcile
-from jobs.sweep import sweep
-
-from ..factories import T0, make_batch
+from tests.support.factories import T0, make_batch
 
 WORKERS = 3
 ITEMS = 5

@@ -1,5 +1,5 @@
 """Per-worker limits: the request rate (429 ``rate_limited``) and the claims a
-worker may have waiting, in the shared table of ``jobs/worker_limits.py`` and
+worker may have waiting, in the shared table of ``api/worker_limits.py`` and
 through the worker API. (Against the real server, across its processes:
 ``tests/adversarial/test_worker_limits.py``.)"""
 
@@ -12,12 +12,11 @@ import time
 import pytest
 from django.test import Client
 
-from jobs import worker_limits
+from api import worker_limits
+from api.waiter import WAITER_KEY, Waiter
+from api.worker_limits import MICRO, Table
 from jobs.models import Job, JobStatus
-from jobs.waiter import WAITER_KEY, Waiter
-from jobs.worker_limits import MICRO, Table
-
-from ..factories import WorkerClient, jobs_of, make_batch, make_worker
+from tests.support.factories import WorkerClient, jobs_of, make_batch, make_worker
 
 SECOND = MICRO  # the table's clock counts microseconds
 

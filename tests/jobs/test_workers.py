@@ -4,8 +4,7 @@ import pytest
 
 from jobs import transitions
 from jobs.models import Worker
-
-from ..factories import claim, later, make_batch
+from tests.support.factories import claim, later, make_batch
 
 pytestmark = pytest.mark.django_db
 

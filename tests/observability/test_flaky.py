@@ -11,9 +11,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import fleet, transitions
-
-from ..factories import T0, make_batch, make_worker
+from engine import fleet
+from jobs import transitions
+from tests.support.factories import T0, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

@@ -8,11 +8,11 @@ from datetime import timedelta
 
 import pytest
 
-from jobs import fleet, transitions
+from engine import fleet
+from engine.sweep import sweep
+from jobs import transitions
 from jobs.models import Event
-from jobs.sweep import sweep
-
-from ..factories import T0, make_batch, make_worker
+from tests.support.factories import T0, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

@@ -1,6 +1,6 @@
 """LOG_FORMAT=json: every line one JSON object, with the lease ids a record
 carries; the same for the commands and the django-q2 cluster. (gunicorn's own
-lines: test_gunicorn.py.)"""
+lines: tests/system/test_gunicorn.py.)"""
 
 from __future__ import annotations
 

@@ -15,15 +15,14 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem, ItemStatus
-from batches.progress import BatchState
+from engine.progress import BatchState
+from engine.reconcile import reconcile, sweep_state
+from engine.sweep import sweep
 from jobs import transitions
-from jobs.metrics import render
 from jobs.models import Job, JobStatus, Worker
-from jobs.reconcile import reconcile, sweep_state
-from jobs.sweep import sweep
-
-from ..factories import T0, claim, later, make_batch, make_worker
-from .conftest import by_label, samples
+from recall_site.metrics import render
+from tests.support.factories import T0, claim, later, make_batch, make_worker
+from tests.support.metrics import by_label, samples
 
 pytestmark = pytest.mark.django_db
 

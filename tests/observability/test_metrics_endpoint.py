@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from django.test import Client
 
-from .conftest import samples
+from tests.support.metrics import samples
 
 pytestmark = pytest.mark.django_db
 

@@ -11,46 +11,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from jobs import metric_files as multiprocess
-
-from .conftest import samples
-
-ROOT = Path(__file__).resolve().parents[2]
-
-# A process counting API requests with Recall's own metric definitions.
-COUNTING = """
-import os, sys
-import django
-django.setup()
-from jobs.metrics import request_metrics
-metrics = request_metrics()
-claims, completes = int(sys.argv[1]), int(sys.argv[2])
-for _ in range(claims):
-    metrics.requests.labels("claim", "204").inc()
-    metrics.claim_seconds.observe(0.004)
-for _ in range(completes):
-    metrics.requests.labels("complete", "200").inc()
-print(os.getpid())
-"""
-
-
-def count_in_a_process(path: Path, claims: int, completes: int) -> int:
-    """Run a process that counts requests into ``path``; return its pid."""
-    env = {
-        **os.environ,
-        "PROMETHEUS_MULTIPROC_DIR": str(path),
-        "DJANGO_SETTINGS_MODULE": "recall_site.settings",
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", COUNTING, str(claims), str(completes)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return int(result.stdout.split()[-1])
+from harness.server import ROOT
+from recall_site import metric_files as multiprocess
+from tests.support.metrics import CLAIMS, count_in_a_process, samples
 
 
 def totals(path: Path) -> dict[tuple, float]:
@@ -64,7 +27,6 @@ def files(path: Path) -> list[str]:
     return sorted(p.name for p in path.glob("*.db"))
 
 
-CLAIMS = ("recall_api_requests_total", ("endpoint", "claim"), ("status", "204"))
 COMPLETES = ("recall_api_requests_total", ("endpoint", "complete"), ("status", "200"))
 
 
@@ -129,7 +91,7 @@ def test_prepare_empties_the_directory(tmp_path):
 FRESH = """
 import django
 django.setup()
-from jobs.metrics import request_metrics
+from api.request_metrics import request_metrics
 request_metrics()
 """
 

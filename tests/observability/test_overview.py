@@ -13,11 +13,10 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Job, Worker
-from jobs.sweep import sweep
-
-from ..factories import make_batch, make_user, make_worker
+from tests.support.factories import make_batch, make_user, make_worker
 
 pytestmark = pytest.mark.django_db
 

@@ -8,8 +8,7 @@ import pytest
 from batches.models import Batch, ItemStatus
 from jobs import transitions
 from jobs.models import Event, Job, JobStatus
-
-from ..factories import claim, jobs_of, later, make_batch, make_worker
+from tests.support.factories import claim, jobs_of, later, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

@@ -12,9 +12,8 @@ from batches.models import Batch
 from jobs import transitions
 from operator_api import tokens
 from operator_api.models import ApiToken
-
-from ..factories import make_batch, make_worker
-from .conftest import ApiClient, token_for
+from tests.support.clients import ApiClient, token_for
+from tests.support.factories import make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 

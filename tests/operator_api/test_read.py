@@ -11,9 +11,16 @@ from django.test import Client
 
 from batches.models import Batch
 from jobs import transitions
-
-from ..factories import T0, claim, jobs_of, later, make_batch, make_user, make_worker
-from .conftest import ApiClient, token_for
+from tests.support.clients import ApiClient, token_for
+from tests.support.factories import (
+    T0,
+    claim,
+    jobs_of,
+    later,
+    make_batch,
+    make_user,
+    make_worker,
+)
 
 pytestmark = pytest.mark.django_db
 

@@ -15,9 +15,8 @@ from jobs import transitions
 from jobs.models import Job
 from operator_api.idempotency import body_hash, forget_expired
 from operator_api.models import IdempotencyKey
-
-from ..factories import is_postgres, make_user
-from .conftest import ApiClient, token_for
+from tests.support.clients import ApiClient, token_for
+from tests.support.factories import is_postgres, make_user
 
 pytestmark = pytest.mark.django_db
 

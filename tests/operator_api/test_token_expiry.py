@@ -14,9 +14,8 @@ from django.test import Client
 from jobs import transitions
 from operator_api import tokens
 from operator_api.models import ApiToken
-
-from ..factories import make_user
-from .conftest import ApiClient
+from tests.support.clients import ApiClient
+from tests.support.factories import make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -12,9 +12,8 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 
 from operator_api.models import ApiToken
-
-from ..factories import make_user
-from .conftest import ApiClient, token_for
+from tests.support.clients import ApiClient, token_for
+from tests.support.factories import make_user
 
 pytestmark = pytest.mark.django_db
 

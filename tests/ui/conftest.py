@@ -1,11 +1,7 @@
 import pytest
 from django.test import Client
 
-
-def client_for(user) -> Client:
-    client = Client()
-    client.force_login(user)
-    return client
+from tests.support.clients import client_for
 
 
 @pytest.fixture

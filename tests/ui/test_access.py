@@ -5,9 +5,8 @@ from django.test import Client
 
 from jobs import transitions
 from jobs.models import Job
-
-from ..factories import claim, make_batch
-from .conftest import client_for
+from tests.support.clients import client_for
+from tests.support.factories import claim, make_batch
 
 pytestmark = pytest.mark.django_db
 

@@ -12,9 +12,8 @@ from django.utils import timezone
 from batches.models import Batch, BatchItem
 from jobs import transitions
 from jobs.models import Event, Job, Lease, LeaseEnd
-
-from ..factories import assert_consistent, claim, make_batch, make_worker
-from .conftest import client_for
+from tests.support.clients import client_for
+from tests.support.factories import assert_consistent, claim, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 
@@ -387,10 +386,12 @@ def test_an_oversized_paste_gets_a_clear_answer_even_with_csrf_checks(
 def test_a_cancel_cut_short_by_its_time_limit_is_finished_by_reconciliation(
     operator, monkeypatch, settings
 ):
-    from jobs.reconcile import reconcile
+    from engine.reconcile import reconcile
 
     settings.RECALL_CHUNK_SIZE = 5
-    monkeypatch.setattr("batches.views.ACTION_SECONDS", 0)  # no time for any chunk
+    monkeypatch.setattr(
+        "console.views.batches.ACTION_SECONDS", 0
+    )  # no time for any chunk
     batch = make_batch(12)
     client = client_for(operator)
 

@@ -11,12 +11,11 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
-from batches import background
-from batches.intakes import Intake, IntakePhase, IntakeStatus
+from batches.intake_records import Intake, IntakePhase, IntakeStatus
 from batches.models import Batch
-from batches.tasks import run_intake
-
-from ..factories import make_user
+from engine import background_intake as background
+from engine.tasks import run_intake
+from tests.support.factories import make_user
 
 pytestmark = pytest.mark.django_db
 

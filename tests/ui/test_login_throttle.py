@@ -9,7 +9,7 @@ from axes.models import AccessAttempt
 from django.contrib.auth.models import User
 from django.test import Client
 
-from ..factories import make_user
+from tests.support.factories import make_user
 
 pytestmark = pytest.mark.django_db
 

@@ -10,8 +10,7 @@ from django.utils import timezone
 from batches.models import Batch
 from jobs import transitions
 from jobs.models import Job
-
-from ..factories import claim, make_batch, make_worker
+from tests.support.factories import claim, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
 
@@ -222,7 +221,7 @@ def test_item_detail_shows_lease_attempts_and_repairs(viewer_client, worker):
     from batches.models import BatchItem
 
     BatchItem.objects.filter(pk=job.item_id).update(status="queued")
-    from jobs.reconcile import reconcile
+    from engine.reconcile import reconcile
 
     reconcile(now=timezone.now())
 

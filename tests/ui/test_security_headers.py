@@ -8,8 +8,7 @@ from django.test import Client
 from django.utils import timezone
 
 from jobs import transitions
-
-from ..factories import claim, make_batch, make_user
+from tests.support.factories import claim, make_batch, make_user
 
 pytestmark = pytest.mark.django_db
 

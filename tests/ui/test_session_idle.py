@@ -12,7 +12,7 @@ from django.conf import settings as django_settings
 from django.contrib.sessions.models import Session
 from django.utils import timezone
 
-from .conftest import client_for
+from tests.support.clients import client_for
 
 pytestmark = pytest.mark.django_db
 

@@ -10,8 +10,7 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Job
-
-from ..factories import claim, make_batch
+from tests.support.factories import claim, make_batch
 
 
 @pytest.mark.django_db

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookEvent, url_origin
-from jobs.webhooks import delivery
-
-from ..factories import claim, make_batch, make_endpoint
-from ..receiver import Answer
+from tests.support.factories import claim, make_batch, make_endpoint
+from tests.support.receiver import Answer
 
 pytestmark = pytest.mark.django_db
 

@@ -13,14 +13,13 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookAttempt, WebhookDelivery, WebhookEvent
-from jobs.transitions.webhooks import INTERRUPTED
-from jobs.webhooks import delivery
-
-from ..factories import claim, make_batch, make_endpoint, make_worker
-from ..jobs.test_concurrency import run_threads
-from ..receiver import Answer
+from jobs.transitions.webhook_writes import INTERRUPTED
+from tests.support.factories import claim, make_batch, make_endpoint, make_worker
+from tests.support.receiver import Answer
+from tests.support.threads import run_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
+from jobs import webhook_keys as webhook_secrets
 from jobs.models import WebhookEndpoint
-from jobs.webhooks import keys as webhook_secrets
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,6 +17,8 @@ from django.test.utils import override_settings
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
+from engine.tasks import deliver_webhooks
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import (
     WebhookAttempt,
@@ -24,11 +26,8 @@ from jobs.models import (
     WebhookEndpoint,
     WebhookEvent,
 )
-from jobs.tasks import deliver_webhooks
-from jobs.webhooks import delivery
-
-from ..factories import T0, claim, later, make_batch, make_endpoint
-from ..receiver import Answer
+from tests.support.factories import T0, claim, later, make_batch, make_endpoint
+from tests.support.receiver import Answer
 
 pytestmark = pytest.mark.django_db
 
@@ -271,7 +270,7 @@ def test_the_first_attempt_is_queued_for_the_cluster_when_the_event_commits(
     assert len(callbacks) == 1
     [queued] = OrmQ.objects.all()
     task = SignedPackage.loads(queued.payload)
-    assert task["func"] == "jobs.tasks.deliver_webhooks"
+    assert task["func"] == "engine.tasks.deliver_webhooks"
     assert task["args"] == ([the_delivery().pk],)
 
     # What the cluster runs: the task, with ids only.
@@ -378,7 +377,7 @@ def test_a_dispatcher_out_of_time_hands_over_to_the_successor_it_queues(worker):
     one successor; scheduled dispatchers stand aside until that successor has
     started (or is stale), so there is one chain, never a pile of them."""
     from jobs.models import WebhookDispatch
-    from jobs.transitions.webhooks import HANDOVER_STALE
+    from jobs.transitions.webhook_writes import HANDOVER_STALE
 
     make_endpoint()
     finished_batch(worker, at=transitions.now())
@@ -392,7 +391,7 @@ def test_a_dispatcher_out_of_time_hands_over_to_the_successor_it_queues(worker):
     assert (state.locked_by, len(state.handover)) == ("", 32)
     [queued] = OrmQ.objects.all()
     task = SignedPackage.loads(queued.payload)
-    assert task["func"] == "jobs.tasks.dispatch_webhooks"
+    assert task["func"] == "engine.tasks.dispatch_webhooks"
     assert task["kwargs"] == {"handover": state.handover}
     assert not transitions.acquire_webhook_dispatcher("scheduled", ttl=timedelta(1))
     assert transitions.acquire_webhook_dispatcher(

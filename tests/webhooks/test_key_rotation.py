@@ -17,10 +17,9 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from jobs import transitions
+from jobs import webhook_keys as keys
 from jobs.models import WebhookEndpoint
-from jobs.webhooks import keys
-
-from ..factories import T0, make_endpoint
+from tests.support.factories import T0, make_endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 OLD_KEY = "old-" + "Kq7vT2xZ" * 7
@@ -84,7 +83,7 @@ def test_a_rotated_secret_key_keeps_webhooks_signing_across_processes(tmp_path):
     rotated = {**base, "SECRET_KEY": NEW_KEY, "SECRET_KEY_FALLBACKS": OLD_KEY}
     after = {**base, "SECRET_KEY": NEW_KEY}
     read = (
-        "from jobs.models import WebhookEndpoint; from jobs.webhooks import keys; "
+        "from jobs.models import WebhookEndpoint; from jobs import webhook_keys as keys; "
         "print(keys.decrypt(WebhookEndpoint.objects.get().secret_encrypted))"
     )
 

@@ -8,11 +8,10 @@ import ipaddress
 
 import pytest
 
+from engine.webhooks.destinations import DestinationRefused, refusal, resolve
+from jobs import webhook_keys as webhook_secrets
 from jobs.models import WebhookEndpoint
-from jobs.webhooks import keys as webhook_secrets
-from jobs.webhooks.destinations import DestinationRefused, refusal, resolve
-
-from ..factories import make_endpoint
+from tests.support.factories import make_endpoint
 
 
 def test_a_secret_is_whsec_and_base64_of_32_random_bytes():

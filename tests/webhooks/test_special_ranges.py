@@ -11,8 +11,8 @@ import ipaddress
 import pytest
 from django.core.management import CommandError, call_command
 
+from engine.webhooks.destinations import DestinationRefused, refusal, resolve
 from jobs.models import WebhookEndpoint
-from jobs.webhooks.destinations import DestinationRefused, refusal, resolve
 
 
 def teredo(server: str, client: str, port: int = 40000) -> str:

@@ -14,12 +14,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from engine.webhooks import delivery
 from jobs import transitions
 from jobs.models import WebhookAttempt, WebhookEvent
-from jobs.webhooks import delivery
-
-from ..factories import T0, claim, make_batch, make_endpoint
-from ..receiver import Receiver
+from tests.support.factories import T0, claim, make_batch, make_endpoint
+from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.django_db
 

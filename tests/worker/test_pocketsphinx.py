@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from batches.intake import create_batch
+from engine.manifests import create_batch
 from jobs.models import Job, JobStatus
-
-from ..factories import jobs_of, make_worker
-from .conftest import ROOT, wait_for
+from tests.support.factories import jobs_of, make_worker
+from tests.support.worker import ROOT, wait_for
 
 ENGINE = ROOT / "examples" / "pocketsphinx_engine.py"
 SENTENCES = [

@@ -16,9 +16,8 @@ from batches.models import Batch
 from jobs import transitions
 from jobs.models import Event
 from operator_api import tokens
-
-from ..factories import make_batch, make_user
-from .conftest import ROOT
+from tests.support.factories import make_batch, make_user
+from tests.support.worker import ROOT
 
 pytestmark = [
     pytest.mark.postgres,

@@ -18,9 +18,8 @@ import pytest
 from batches.models import Batch
 from jobs.models import Event
 from operator_api import tokens
-
-from ..factories import make_user, make_worker
-from .conftest import FAKE_ENGINE_COMMAND, ROOT
+from tests.support.factories import make_user, make_worker
+from tests.support.worker import FAKE_ENGINE_COMMAND, ROOT
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -201,8 +200,7 @@ def test_wait_says_when_the_batch_waits_for_a_retry_backoff(
     """Issue 27, item 8: the last item waits out its backoff; recallctl says
     so instead of an ETA."""
     from jobs import transitions
-
-    from ..factories import claim, make_batch
+    from tests.support.factories import claim, make_batch
 
     settings.RECALL_RETRY_BACKOFF_SECONDS = 30
     batch = make_batch(2, name="calls", now=transitions.now())

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from .conftest import ROOT
+from tests.support.worker import ROOT
 
 RECALLCTL = ROOT / "worker" / "recallctl.py"
 TOKEN = "rct_" + "R3d1rectT0ken" * 3

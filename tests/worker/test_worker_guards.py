@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import WORKER_SCRIPT, load_worker_module
+from tests.support.worker import WORKER_SCRIPT, load_worker_module
 
 rw = load_worker_module()
 

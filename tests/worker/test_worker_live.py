@@ -17,14 +17,13 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from batches.intake import create_batch
 from batches.models import BatchItem
+from engine.manifests import create_batch
+from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, LeaseEnd
-from jobs.sweep import sweep
-
-from ..factories import assert_consistent, jobs_of, make_batch, make_worker
-from .conftest import (
+from tests.support.factories import assert_consistent, jobs_of, make_batch, make_worker
+from tests.support.worker import (
     FAKE_ENGINE,
     FAKE_ENGINE_COMMAND,
     batch_with_modes,

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from .conftest import WORKER_SCRIPT
+from tests.support.worker import WORKER_SCRIPT
 
 TOKEN = "wtok-" + "L0ngP0ll" * 5
 CURRENT: Claims

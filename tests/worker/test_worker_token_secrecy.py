@@ -26,11 +26,10 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from batches.intake import create_batch
+from engine.manifests import create_batch
 from jobs.models import Job, JobStatus
-
-from ..factories import make_worker
-from .conftest import WORKER_SCRIPT, wait_for
+from tests.support.factories import make_worker
+from tests.support.worker import WORKER_SCRIPT, wait_for
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),

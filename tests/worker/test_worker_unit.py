@@ -13,10 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from api import worker_views as api
 from batches.json_limits import MAX_JSON_DEPTH, nested_deeper_than
-from jobs import api
-
-from .conftest import WORKER_SCRIPT, load_worker_module
+from tests.support.worker import WORKER_SCRIPT, load_worker_module
 
 rw = load_worker_module()
 

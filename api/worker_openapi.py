@@ -1,0 +1,365 @@
+"""OpenAPI 3 description of the worker API v1 (tag ``worker``). Served at
+/api/v1/openapi.json together with the operator API's (``api.openapi``
+adds its paths, tagged ``operator``).
+
+It is the contract the API is fuzzed against (tests/jobs/test_api_fuzz.py):
+every documented response is the only kind of response a request can get.
+"""
+
+from __future__ import annotations
+
+from batches.json_limits import MAX_JSON_DEPTH
+
+# What every JSON body must be, whatever its schema says.
+BODY_RULES = (
+    f"Bodies are JSON objects nesting arrays and objects at most {MAX_JSON_DEPTH} "
+    f"levels deep (the body itself is level 1), without NUL characters, unpaired "
+    f"surrogates, NaN, infinite numbers (1e400) or integers of more than 4300 "
+    f"digits; anything else is a 400 bad_request."
+)
+
+ERROR_CODES = [
+    "bad_request",
+    "unauthorized",
+    "forbidden",
+    "not_found",
+    "method_not_allowed",
+    "lease_lost",
+    "payload_too_large",
+    "too_many_leases",
+    "rate_limited",
+    "unavailable",
+    "internal_error",
+]
+
+
+def _error(description: str) -> dict:
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+        },
+    }
+
+
+def _json(schema_ref: str, description: str = "OK") -> dict:
+    return {
+        "description": description,
+        "content": {
+            "application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema_ref}"}
+            }
+        },
+    }
+
+
+RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before trying again.",
+        "schema": {"type": "integer", "minimum": 1},
+    }
+}
+
+
+def _too_many(description: str) -> dict:
+    return {**_error(description), "headers": RETRY_AFTER}
+
+
+RATE_LIMITED = (
+    "rate_limited: the worker sent more than RECALL_WORKER_RATE_PER_SECOND "
+    "requests a second (in bursts of up to RECALL_WORKER_RATE_BURST), counted by "
+    "the whole server; retry after Retry-After seconds."
+)
+ERRORS = {
+    "400": _error(
+        f"Malformed JSON, not an object, a missing or ill-typed field, NUL bytes, "
+        f"nested more than {MAX_JSON_DEPTH} levels deep, a number out of range."
+    ),
+    "401": _error("Missing or unknown worker token."),
+    "403": _error("The worker is disabled."),
+    "413": _error("The body is larger than the configured limit."),
+    "429": _too_many(RATE_LIMITED),
+    "503": _error("The database is unavailable; retry with backoff."),
+}
+JOB_ERRORS = {
+    **ERRORS,
+    "404": _error("No such job."),
+    "409": _error("The caller does not hold the job's live lease: stop working on it."),
+}
+JOB_ID = {
+    "name": "job_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "integer", "minimum": 0},
+}
+TOKEN = {"type": "string", "minLength": 1, "maxLength": 256}
+
+
+def _body(schema_ref: str) -> dict:
+    return {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {"$ref": f"#/components/schemas/{schema_ref}"}
+            }
+        },
+    }
+
+
+SPEC = {
+    "openapi": "3.0.3",
+    "info": {
+        "title": "Recall worker API",
+        "version": "1",
+        "description": (
+            "Workers claim a job under a time-limited lease, heartbeat every "
+            "heartbeat_interval seconds, then complete, fail or release it. Every "
+            "call needs 'Authorization: Bearer <worker token>'. " + BODY_RULES
+        ),
+    },
+    "tags": [{"name": "worker", "description": "For transcription workers."}],
+    "servers": [{"url": "/"}],
+    "security": [{"workerToken": []}],
+    "paths": {
+        "/api/v1/claim": {
+            "post": {
+                "operationId": "claim",
+                "tags": ["worker"],
+                "summary": "Lease the next claimable job.",
+                "requestBody": {
+                    "required": False,
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/ClaimRequest"}
+                        }
+                    },
+                },
+                "responses": {
+                    "200": _json("Claimed", "A job, leased to the caller."),
+                    "204": {
+                        "description": (
+                            "Nothing is claimable now (or within wait_seconds); "
+                            "claim again later."
+                        )
+                    },
+                    **ERRORS,
+                    "429": _too_many(
+                        "too_many_leases: the worker already holds RECALL_MAX_LEASES_PER_WORKER live leases; or "
+                        + RATE_LIMITED
+                    ),
+                },
+            }
+        },
+        "/api/v1/jobs/{job_id}/heartbeat": {
+            "post": {
+                "operationId": "heartbeat",
+                "tags": ["worker"],
+                "summary": "Extend the lease.",
+                "parameters": [JOB_ID],
+                "requestBody": _body("LeaseRequest"),
+                "responses": {"200": _json("Heartbeat"), **JOB_ERRORS},
+            }
+        },
+        "/api/v1/jobs/{job_id}/complete": {
+            "post": {
+                "operationId": "complete",
+                "tags": ["worker"],
+                "summary": "Store the result; idempotent for the token that completed it.",
+                "parameters": [JOB_ID],
+                "requestBody": _body("CompleteRequest"),
+                "responses": {"200": _json("Status"), **JOB_ERRORS},
+            }
+        },
+        "/api/v1/jobs/{job_id}/fail": {
+            "post": {
+                "operationId": "fail",
+                "tags": ["worker"],
+                "summary": "Record a failed attempt (retried later if retryable and attempts remain).",
+                "parameters": [JOB_ID],
+                "requestBody": _body("FailRequest"),
+                "responses": {"200": _json("Status"), **JOB_ERRORS},
+            }
+        },
+        "/api/v1/jobs/{job_id}/release": {
+            "post": {
+                "operationId": "release",
+                "tags": ["worker"],
+                "summary": "Give the job back at once (clean shutdown); the attempt is not counted.",
+                "parameters": [JOB_ID],
+                "requestBody": _body("LeaseRequest"),
+                "responses": {"200": _json("Status"), **JOB_ERRORS},
+            }
+        },
+    },
+    "components": {
+        "securitySchemes": {"workerToken": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "Error": {
+                "type": "object",
+                "required": ["error", "detail"],
+                "additionalProperties": False,
+                "properties": {
+                    "error": {"type": "string", "enum": ERROR_CODES},
+                    "detail": {"type": "string", "minLength": 1},
+                },
+            },
+            "ClaimRequest": {
+                "type": "object",
+                "description": (
+                    "Empty, or how long to wait for work; unknown fields are ignored."
+                ),
+                "properties": {
+                    "wait_seconds": {
+                        "type": "number",
+                        "minimum": 0,
+                        "maximum": 60,
+                        "default": 0,
+                        "description": (
+                            "When nothing is claimable, hold the request until "
+                            "a job is or this many seconds have passed, then "
+                            "answer 200 or 204 (a long-poll). 0 answers at once, "
+                            "and so does a claim of a worker that has "
+                            "RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims waiting "
+                            "already."
+                        ),
+                    }
+                },
+            },
+            "Claimed": {
+                "type": "object",
+                "required": ["job"],
+                "additionalProperties": False,
+                "properties": {
+                    "job": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": [
+                            "id",
+                            "lease_token",
+                            "lease_expires_at",
+                            "lease_seconds",
+                            "heartbeat_interval",
+                            "attempt",
+                            "max_attempts",
+                            "batch",
+                            "item",
+                        ],
+                        "properties": {
+                            "id": {"type": "integer"},
+                            "lease_token": {"type": "string"},
+                            "lease_expires_at": {
+                                "type": "string",
+                                "format": "date-time",
+                            },
+                            "lease_seconds": {"type": "integer", "minimum": 1},
+                            "heartbeat_interval": {"type": "integer", "minimum": 1},
+                            "attempt": {"type": "integer", "minimum": 1},
+                            "max_attempts": {"type": "integer", "minimum": 1},
+                            "batch": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": ["id", "name"],
+                                "properties": {
+                                    "id": {"type": "integer"},
+                                    "name": {"type": "string"},
+                                },
+                            },
+                            "item": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "required": [
+                                    "id",
+                                    "source",
+                                    "params",
+                                    "duration_seconds",
+                                ],
+                                "properties": {
+                                    "id": {"type": "integer"},
+                                    "source": {"type": "string"},
+                                    "params": {"type": "object"},
+                                    "duration_seconds": {
+                                        "type": "number",
+                                        "nullable": True,
+                                    },
+                                },
+                            },
+                        },
+                    }
+                },
+            },
+            "LeaseRequest": {
+                "type": "object",
+                "required": ["lease_token"],
+                "properties": {"lease_token": TOKEN},
+            },
+            "CompleteRequest": {
+                "type": "object",
+                "required": ["lease_token", "result"],
+                "properties": {
+                    "lease_token": TOKEN,
+                    "result": {
+                        "type": "object",
+                        "required": ["text"],
+                        "properties": {
+                            "text": {"type": "string"},
+                            "language": {"type": "string"},
+                            "segments": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["start", "end", "text"],
+                                    "properties": {
+                                        "start": {
+                                            "type": "number",
+                                            "minimum": 0,
+                                            "maximum": 10_000_000,
+                                            "description": "seconds; at most 'end'",
+                                        },
+                                        "end": {
+                                            "type": "number",
+                                            "minimum": 0,
+                                            "maximum": 10_000_000,
+                                            "description": "seconds",
+                                        },
+                                        "text": {"type": "string"},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+            "FailRequest": {
+                "type": "object",
+                "required": ["lease_token", "error"],
+                "properties": {
+                    "lease_token": TOKEN,
+                    "error": {
+                        "type": "string",
+                        "description": "Kept, cut to 10,000 characters.",
+                    },
+                    "retryable": {"type": "boolean", "default": True},
+                },
+            },
+            "Heartbeat": {
+                "type": "object",
+                "required": ["lease_expires_at"],
+                "additionalProperties": False,
+                "properties": {
+                    "lease_expires_at": {"type": "string", "format": "date-time"}
+                },
+            },
+            "Status": {
+                "type": "object",
+                "required": ["status"],
+                "additionalProperties": False,
+                "properties": {
+                    "status": {
+                        "type": "string",
+                        "enum": ["completed", "queued", "failed"],
+                    }
+                },
+            },
+        },
+    },
+}

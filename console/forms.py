@@ -1,0 +1,103 @@
+"""The operator pages' forms: a new batch, its share of the workers, item filters."""
+
+from __future__ import annotations
+
+from django import forms
+from django.conf import settings
+from django.template.defaultfilters import filesizeformat
+
+from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
+from engine.manifests import MAX_NAME_CHARS
+
+
+class ShareFields(forms.Form):
+    """How a batch shares the workers: priority, weight, max in flight."""
+
+    priority = forms.IntegerField(
+        initial=0,
+        min_value=-32768,
+        max_value=32767,
+        help_text="Higher runs first, strictly.",
+    )
+    weight = forms.IntegerField(
+        initial=1,
+        required=False,
+        min_value=1,
+        max_value=MAX_WEIGHT,
+        help_text=f"Its share of the workers among open batches of its priority "
+        f"(1 to {MAX_WEIGHT}; empty: 1).",
+    )
+    max_in_flight = forms.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=MAX_IN_FLIGHT,
+        label="Max in flight",
+        help_text="At most this many items in flight at once (empty: no cap).",
+    )
+
+    def clean_weight(self) -> int:
+        weight = self.cleaned_data.get("weight")
+        return 1 if weight is None else weight
+
+
+class ShareForm(ShareFields):
+    """The batch page's form to change a batch's share."""
+
+
+class NewBatchForm(ShareFields):
+    field_order = ["name", "priority", "weight", "max_in_flight", "manifest", "sources"]
+
+    name = forms.CharField(max_length=MAX_NAME_CHARS, strip=True)
+    manifest = forms.FileField(
+        required=False,
+        help_text=(
+            "A text file with one source per line, or a CSV file with a 'source' "
+            "column (optional 'duration_seconds'; other columns become params)."
+        ),
+    )
+    sources = forms.CharField(
+        required=False,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 8, "spellcheck": "false"}),
+        help_text="Or paste the manifest here.",
+    )
+
+    def clean_manifest(self):
+        manifest = self.cleaned_data.get("manifest")
+        limit = settings.RECALL_MAX_MANIFEST_BYTES
+        if manifest is not None and manifest.size > limit:
+            raise forms.ValidationError(
+                f"The file is {filesizeformat(manifest.size)}; the limit is "
+                f"{filesizeformat(limit)}. Split it into several batches, or use the "
+                f"create_batch command."
+            )
+        return manifest
+
+    def clean(self):
+        cleaned = super().clean() or {}
+        has_file = bool(cleaned.get("manifest"))
+        has_text = bool((cleaned.get("sources") or "").strip())
+        if has_file and has_text:
+            raise forms.ValidationError("Upload a file or paste sources, not both.")
+        if not has_file and not has_text and not self.errors:
+            raise forms.ValidationError("Upload a manifest file or paste sources.")
+        return cleaned
+
+
+class ItemFilterForm(forms.Form):
+    """The items table's filter: a state and a search in the source."""
+
+    state = forms.ChoiceField(required=False)
+    q = forms.CharField(required=False, max_length=200, strip=True)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        state = self.fields["state"]
+        if isinstance(state, forms.ChoiceField):
+            state.choices = [("", "all states"), *ItemStatus.choices]
+
+    def clean_q(self):
+        q = self.cleaned_data["q"]
+        if "\x00" in q:
+            raise forms.ValidationError("The search must not contain NUL characters.")
+        return q

@@ -1,0 +1,58 @@
+"""The long-poll waker's probe: how many parked claims may find work now.
+
+While claims are parked (``api/waiter.py``, ``recall_site/gunicorn_worker.py``),
+one process of the server runs this every ``RECALL_LONG_POLL_PROBE_SECONDS``
+and shares the answer; each process then claims for that many of its own
+(``api.worker_views.claims_for_waiting``).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db.models import Count, Exists, F, OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce, Now
+
+from batches.models import Batch
+from jobs.models import Job, JobStatus
+
+# Open batches one probe counts jobs in: beyond them it answers a lower bound,
+# which the next probe raises once the woken claims have emptied the first ones.
+PROBE_BATCHES = 20
+
+
+def claimable_jobs(limit: int, *, now: datetime | None = None) -> int:
+    """How many jobs claims could take now, at most ``limit``: expired leases
+    (a claim reclaims them first) plus, per open batch with a claimable job,
+    its claimable jobs up to the room under its in-flight cap (in the first
+    ``PROBE_BATCHES`` such batches). A read, on the database's clock (each
+    statement's own, unless ``now`` is given): the waker's probe. With nothing
+    to find, which is what it finds nearly every time, it is two index probes.
+    """
+    if limit < 1:
+        return 0
+    at: datetime | Now = Now() if now is None else now
+    live = (
+        Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
+        .order_by()
+        .values("batch")
+        .annotate(n=Count("pk"))
+        .values("n")
+    )
+    batches = (
+        Batch.objects.open()
+        .filter(Exists(Job.objects.claimable(at).filter(batch=OuterRef("pk"))))
+        .annotate(room=F("max_in_flight") - Coalesce(Subquery(live), 0))
+        .filter(Q(max_in_flight__isnull=True) | Q(room__gt=0))
+        .values_list("pk", "room")
+    )
+    expired = Job.objects.expired(at)
+    if not expired.exists() and not batches.exists():
+        return 0
+    found = expired[:limit].count()
+    for batch_id, room in batches[:PROBE_BATCHES]:
+        if found >= limit:
+            break
+        want = limit - found if room is None else min(room, limit - found)
+        found += Job.objects.claimable(at).filter(batch_id=batch_id)[:want].count()
+    return min(found, limit)

@@ -1,0 +1,598 @@
+"""The PostgreSQL backend's statements, each written once and named.
+
+A worker's claim and complete run thousands of times a minute. Through the ORM
+a claim plus a complete is about fifteen statements, each built in Python and
+planned anew; here each hot transition is one statement that locks its rows,
+checks that they agree, and only then writes them all (job, item, counter
+shard, ledger row, throughput minute), exactly what the ORM backend writes.
+
+Every table and column name comes from the models' ``_meta`` (``{job}`` is the
+job table, ``{job.leased_by}`` its column), every status from the models'
+enums and ``item_status_for`` (``{job_status[leased]}``,
+``{item_for[leased]}``), so the statements cannot drift from the schema. The
+facts the ORM backend writes once in ``rows.py`` are written once here too, as
+fragments every statement shares: the claimable condition (``CLAIMABLE``), the
+counter shift and the throughput upsert (``shift_and_record``; ``shift_one``
+is its form for a single move whose statuses the statement fixes, a claim's or
+a completion's, which touches only the columns that move changes), and the
+clock (``{now}``: the caller's instant, or the database's
+``statement_timestamp()`` when the caller passes none).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Model
+
+from batches.models import (
+    COUNTER_COLUMNS,
+    COUNTER_SHARDS,
+    VIRTUAL_TIME_STRIDE,
+    Batch,
+    BatchCounter,
+    BatchItem,
+    BatchMinute,
+    ItemStatus,
+)
+from jobs.models import (
+    ITEM_STATUS_FOR_JOB,
+    Job,
+    JobStatus,
+    Lease,
+    LeaseEnd,
+    Tally,
+    Worker,
+)
+
+
+class Table:
+    """A model's table for SQL text: ``str()`` is its name, attributes are the
+    columns of its fields (an unknown field raises at import time)."""
+
+    def __init__(self, model: type[Model]) -> None:
+        self._meta = model._meta
+
+    def __str__(self) -> str:
+        return self._meta.db_table
+
+    def __getattr__(self, field: str) -> str:
+        column = getattr(self._meta.get_field(field), "column", None)
+        if column is None:
+            raise AttributeError(f"{self._meta.db_table}.{field} has no column")
+        return str(column)
+
+    def columns(self, alias: str, prefix: str) -> str:
+        """Every concrete column as ``alias.col AS prefix_col``."""
+        return ", ".join(
+            f"{alias}.{f.column} AS {prefix}{f.column}"
+            for f in self._meta.concrete_fields
+        )
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+NAMES: dict[str, Any] = {
+    "job": Table(Job),
+    "item": Table(BatchItem),
+    "batch": Table(Batch),
+    "counter": Table(BatchCounter),
+    "minute": Table(BatchMinute),
+    "lease": Table(Lease),
+    "worker": Table(Worker),
+    "tally": Table(Tally),
+    "shards": COUNTER_SHARDS,
+    "job_status": {s.value: _quoted(s.value) for s in JobStatus},
+    "item_status": {s.value: _quoted(s.value) for s in ItemStatus},
+    "item_for": {j.value: _quoted(i.value) for j, i in ITEM_STATUS_FOR_JOB.items()},
+    "lease_end": {e.value: _quoted(e.value) for e in LeaseEnd},
+    # The clock: the caller's instant, else the database's (one value for the
+    # whole statement: statement_timestamp() is stable within it).
+    "now": "COALESCE(%(now)s::timestamptz, statement_timestamp())",
+    "lease_seconds": "make_interval(secs => %(lease_seconds)s)",
+}
+
+
+ITEM_FOR = ITEM_STATUS_FOR_JOB
+
+
+def sql(template: str, **more: Any) -> str:
+    return template.format(**NAMES, **more)
+
+
+# --- Shared fragments ------------------------------------------------------------
+
+# A job (alias j) a claim may take now.
+CLAIMABLE = sql(
+    """j.{job.status} = {job_status[queued]} AND j.{job.available_at} <= {now}
+    AND j.{job.attempts} < j.{job.max_attempts}"""
+)
+
+# A batch (alias b) whose jobs may be handed out (not paused, cancelled, finished).
+OPEN_BATCH = sql(
+    """b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+    AND b.{batch.finished_at} IS NULL"""
+)
+
+
+def shift_and_record(moves: str) -> str:
+    """CTEs that apply the item moves in CTE ``moves`` (batch_id, item_id, old,
+    new, ms) to the counter shards and count the finishes (done or failed) in
+    the minute's throughput bucket: ``rows.shift_counters`` and
+    ``rows.record_finished`` as SQL, for any number of moves between any
+    statuses (a chunk of reclaimed leases).
+
+    The moves are summed per shard, and the shards are locked in (batch, shard)
+    order, as every transition orders them. The minute rows come after the
+    counters (the upsert reads from ``counter``): no deadlock.
+    """
+    counter = NAMES["counter"]
+
+    def change(status: str, ms: bool) -> str:
+        """How one move changes the ``status`` count (or its duration sum)."""
+        quoted = NAMES["item_status"][status]
+        step = f"((new = {quoted})::int - (old = {quoted})::int)"
+        return f"{step} * ms" if ms else step
+
+    def finishes(status: str, ms: bool) -> str:
+        quoted = NAMES["item_status"][status]
+        return f"CASE WHEN new = {quoted} THEN {'ms' if ms else '1'} ELSE 0 END"
+
+    # Each counter column: (column, the item status it counts, a duration sum?).
+    columns = [
+        (column, column.removesuffix("_ms"), column.endswith("_ms"))
+        for column in COUNTER_COLUMNS
+    ]
+    finished = [("f_done", "done", False), ("f_done_ms", "done", True)]
+    finished += [("f_failed", "failed", False), ("f_failed_ms", "failed", True)]
+    counted = sql(
+        """shift AS (
+        SELECT batch_id, mod(item_id, {shards}) AS shard, {deltas}, {finished}
+        FROM {moves} WHERE old <> new GROUP BY 1, 2
+    ), locked AS (
+        SELECT c.{counter.id} AS counter_id, shift.*
+        FROM {counter} c
+        JOIN shift ON c.{counter.batch} = shift.batch_id
+            AND c.{counter.shard} = shift.shard
+        ORDER BY c.{counter.batch}, c.{counter.shard}
+        FOR NO KEY UPDATE OF c
+    ), counter AS (
+        UPDATE {counter} c SET {updates}
+        FROM locked WHERE c.{counter.id} = locked.counter_id
+        RETURNING locked.batch_id, locked.shard, locked.f_done, locked.f_done_ms,
+            locked.f_failed, locked.f_failed_ms
+    )""",
+        deltas=", ".join(
+            f"sum({change(status, ms)}) AS d_{column}" for column, status, ms in columns
+        ),
+        finished=", ".join(
+            f"sum({finishes(status, ms)}) AS {name}" for name, status, ms in finished
+        ),
+        moves=moves,
+        updates=", ".join(
+            f"{getattr(counter, column)} = c.{getattr(counter, column)} "
+            f"+ locked.d_{column}"
+            for column, _, _ in columns
+        ),
+    )
+    return counted + sql(
+        """, finished AS (
+        INSERT INTO {minute} ({minute.batch}, {minute.minute}, {minute.shard},
+            {minute.done}, {minute.done_ms}, {minute.failed}, {minute.failed_ms})
+        SELECT batch_id, date_trunc('minute', {now}), shard,
+            f_done, f_done_ms, f_failed, f_failed_ms
+        FROM counter WHERE f_done > 0 OR f_failed > 0
+        ORDER BY batch_id, shard
+        ON CONFLICT ({minute.batch}, {minute.minute}, {minute.shard}) DO UPDATE SET
+            {minute.done} = {minute}.{minute.done} + excluded.{minute.done},
+            {minute.done_ms} = {minute}.{minute.done_ms} + excluded.{minute.done_ms},
+            {minute.failed} = {minute}.{minute.failed} + excluded.{minute.failed},
+            {minute.failed_ms} = {minute}.{minute.failed_ms}
+                + excluded.{minute.failed_ms}
+    )"""
+    )
+
+
+def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
+    """``shift_and_record`` for CTE ``moves`` holding at most one move, from
+    ``moved`` = (old, new) (a claim, a completion): one counter row changes, by
+    the four columns the move touches, so no lock order is needed; and the
+    minute's bucket only if the move is a finish."""
+    counter, minute = NAMES["counter"], NAMES["minute"]
+    old, new = (ItemStatus(status).value for status in moved)
+    changes = ", ".join(
+        f"{column} = c.{column} {sign} {amount}"
+        for status, sign in ((old, "-"), (new, "+"))
+        for column, amount in (
+            (getattr(counter, status), "1"),
+            (getattr(counter, f"{status}_ms"), "m.ms"),
+        )
+    )
+    counted = sql(
+        """counter AS (
+        UPDATE {counter} c SET {changes}
+        FROM {moves} m
+        WHERE c.{counter.batch} = m.batch_id
+          AND c.{counter.shard} = mod(m.item_id, {shards})
+        RETURNING m.batch_id, c.{counter.shard} AS shard, m.ms
+    )""",
+        changes=changes,
+        moves=moves,
+    )
+    if new not in (ItemStatus.DONE.value, ItemStatus.FAILED.value):
+        return counted
+    count, ms = getattr(minute, new), getattr(minute, f"{new}_ms")
+    return counted + sql(
+        """, finished AS (
+        INSERT INTO {minute} ({minute.batch}, {minute.minute}, {minute.shard},
+            {minute.done}, {minute.done_ms}, {minute.failed}, {minute.failed_ms})
+        SELECT batch_id, date_trunc('minute', {now}), shard, {values}
+        FROM counter
+        ON CONFLICT ({minute.batch}, {minute.minute}, {minute.shard}) DO UPDATE SET
+            {count} = {minute}.{count} + 1, {ms} = {minute}.{ms} + excluded.{ms}
+    )""",
+        values="1, ms, 0, 0" if new == ItemStatus.DONE.value else "0, 0, 1, ms",
+        count=count,
+        ms=ms,
+    )
+
+
+# --- Workers ---------------------------------------------------------------------
+
+
+# Every API request authenticates its worker by the token's clear prefix, and
+# takes with it the request's time from the database and how many live leases
+# the worker holds (its cap), at no round trip more.
+# The worker's live leases: its jobs, as a job has a holder exactly while it is
+# leased (a check constraint). Not "AND status = 'leased'": that let PostgreSQL
+# walk every live lease's expiry index instead of this worker's own (3 ms, not
+# 0.05, with 10,000 live leases).
+def _workers_where(condition: str) -> str:
+    """Workers (every column), the leases each holds, and the statement's time."""
+    return sql(
+        """SELECT {columns}, (
+            SELECT count(*) FROM {job} j WHERE j.{job.leased_by} = w.{worker.id}
+        ), statement_timestamp()
+        FROM {worker} w
+        WHERE """
+        + condition,
+        columns=", ".join(f"w.{f.column}" for f in Worker._meta.concrete_fields),
+    )
+
+
+WORKERS_WITH_PREFIX = _workers_where("w.{worker.token_prefix} = %(prefix)s")
+# The same for many tokens at once (the woken long-poll claims of a process).
+WORKERS_WITH_PREFIXES = _workers_where("w.{worker.token_prefix} = ANY(%(prefixes)s)")
+
+# The worker was seen now (``workers.touch``, which decides when it is due).
+TOUCH_WORKER = sql(
+    "UPDATE {worker} SET {worker.last_seen} = %(now)s WHERE {worker.id} = %(worker)s"
+)
+
+# --- Claim -----------------------------------------------------------------------
+
+# Is there an expired lease to reclaim, or an interrupted cancel to finish (each
+# a probe of a partial index that is empty unless so)?
+CHORES = sql(
+    """EXISTS (
+        SELECT 1 FROM {job} WHERE {job.status} = {job_status[leased]}
+            AND {job.lease_expires_at} < {now}
+    ) AS expired, EXISTS (
+        SELECT 1 FROM {batch}
+        WHERE {batch.cancelled_at} IS NOT NULL AND {batch.finished_at} IS NULL
+          AND {batch.cancelled_at} < {now} - %(cancel_grace)s::interval
+    ) AS cancelling"""
+)
+
+
+# Open batches with a claimable job and room under their in-flight cap (and
+# ``unless`` is true), in claim order: priority, then fair share (least virtual
+# time; see ``rows.charge_share``), then age. The LATERAL ... LIMIT 1 keeps that
+# one probe of the claim index per batch (as a plain EXISTS the planner may
+# hash-join every queued job of every batch). A cap is checked by counting the
+# batch's live leases (at most the cap) on the (batch, status) index. Claims
+# take jobs in (created_at, id) order, the claim index's: within a batch the
+# manifest's order; by id alone, PostgreSQL may walk the primary key past every
+# finished job when its statistics say most jobs are queued.
+def candidates(*, unless: str = "true") -> str:
+    return sql(
+        """SELECT b.{batch.id} AS id, b.{batch.priority} AS priority,
+        b.{batch.virtual_time} AS virtual_time,
+        b.{batch.max_in_flight} IS NOT NULL AS capped
+    FROM {batch} b
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM {job} j WHERE j.{job.batch} = b.{batch.id} AND {claimable}
+        ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
+    ) AS claimable
+    WHERE {open_batch} AND {unless} AND (
+        b.{batch.max_in_flight} IS NULL OR b.{batch.max_in_flight} > (
+            SELECT count(*) FROM {job} l
+            WHERE l.{job.batch} = b.{batch.id} AND l.{job.status} = {job_status[leased]}
+        )
+    )
+    ORDER BY b.{batch.priority} DESC, b.{batch.virtual_time}, b.{batch.id}""",
+        claimable=CLAIMABLE,
+        open_batch=OPEN_BATCH,
+        unless=unless,
+    )
+
+
+# The chores, and one row per candidate batch (none: a row of NULLs).
+CLAIM_PLAN = f"""SELECT chores.*, c.id, c.priority, c.capped
+    FROM (SELECT {CHORES}) AS chores
+    LEFT JOIN LATERAL ({candidates()} LIMIT %(limit)s) AS c ON true"""
+
+# Charge a claim to its batch's share: stride scheduling's pass += stride.
+CHARGE = sql(
+    """UPDATE {batch} SET {batch.virtual_time} = {batch}.{batch.virtual_time}
+        + {stride} / {batch}.{batch.weight}""",
+    stride=VIRTUAL_TIME_STRIDE,
+)
+
+
+def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
+    """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
+    LOCKED), if its item agrees and no ledger row of an earlier lease was left
+    open, and the worker holds fewer than ``%(cap)s`` live leases; the claim is
+    charged to the batch's share if ``charge``. The prelude defines ``turn``:
+    the worker's live leases, counted after its turn to claim came, or -1 if
+    the worker is disabled (``recall_claim_turn``, migrations 0013 and 0014: a
+    count read in this statement's own snapshot would be stale by the time the
+    turn came). Returns the job's
+    and item's columns as they were, the batch's name, whether such a stray
+    ledger row exists, and the lease's times."""
+    return sql(
+        """WITH {prelude} pick AS (
+        SELECT {job_columns}, {item_columns}, b.{batch.name} AS batch_name,
+            EXISTS (SELECT 1 FROM {lease} l
+                    WHERE l.{lease.job} = j.{job.id} AND l.{lease.ended_at} IS NULL)
+                AS stray_lease,
+            {now} AS at, {now} + {lease_seconds} AS expires
+        FROM {job} j
+        JOIN {item} i ON i.{item.id} = j.{job.item}
+        JOIN {batch} b ON b.{batch.id} = j.{job.batch}
+        WHERE j.{job.batch} = {batch_id} AND {claimable}
+          AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+          AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
+        ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
+        FOR NO KEY UPDATE OF j, i SKIP LOCKED
+    ), clean AS (
+        SELECT * FROM pick
+        WHERE i_{item.status} = {item_for[queued]} AND NOT stray_lease
+    ), job AS (
+        UPDATE {job} SET {job.status} = {job_status[leased]},
+            {job.lease_token} = %(token)s, {job.leased_by} = %(worker)s,
+            {job.lease_expires_at} = clean.expires, {job.heartbeat_at} = clean.at,
+            {job.attempts} = clean.j_{job.attempts} + 1, {job.updated_at} = clean.at
+        FROM clean WHERE {job}.{job.id} = clean.j_{job.id}
+        RETURNING {job}.{job.id}, {job}.{job.attempts}, clean.at, clean.expires
+    ), item AS (
+        UPDATE {item} SET {item.status} = {item_for[leased]},
+            {item.updated_at} = clean.at
+        FROM clean WHERE {item}.{item.id} = clean.i_{item.id}
+    ), moves AS (
+        SELECT j_{job.batch} AS batch_id, i_{item.id} AS item_id,
+            i_{item.status} AS old, {item_for[leased]} AS new,
+            COALESCE(i_{item.duration_ms}, 0) AS ms
+        FROM clean
+    ), {shift}, opened AS (
+        INSERT INTO {lease} ({lease.job}, {lease.worker}, {lease.token},
+            {lease.attempt}, {lease.claimed_at}, {lease.heartbeat_at},
+            {lease.expires_at}, {lease.error})
+        SELECT id, %(worker)s, %(token)s, attempts, at, at, expires, '' FROM job
+    ), charged AS (
+        {charge_share} FROM clean
+        WHERE {batch}.{batch.id} = clean.j_{job.batch} AND {charge}
+    )
+    {result}""",
+        prelude=prelude,
+        batch_id=batch_id,
+        charge_share=CHARGE,
+        charge=charge,
+        job_columns=NAMES["job"].columns("j", "j_"),
+        item_columns=NAMES["item"].columns("i", "i_"),
+        claimable=CLAIMABLE,
+        shift=shift_one(
+            "moves", (ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED])
+        ),
+        result=result,
+    )
+
+
+# The worker's turn to claim: its live leases, counted once its row is locked.
+TURN = "recall_claim_turn(%(worker)s::bigint)"
+
+# Returns the worker's live leases (as its turn counted them; -1 if it is
+# disabled), then the job as the pick found it (NULLs if none: none was
+# claimable, or the worker is at its cap or disabled).
+CLAIM = _claim(
+    prelude=f"turn AS (SELECT {TURN} AS held),",
+    batch_id="%(batch)s",
+    charge="%(charge)s",
+    result="SELECT turn.held, pick.* FROM turn LEFT JOIN pick ON true",
+)
+
+# The common case in one statement: nothing to do first, and the first open
+# batch in claim order is uncapped and has a job no other claim holds. Returns
+# the chores' flags, the first batch, the statement's instant, and the job as
+# CLAIM does if there was one (else NULLs): when there is none the caller takes
+# the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also covers
+# chores, capped batches, and taken or drifted rows. The claim is charged to
+# the batch's share when a second open batch of its priority has work too. The
+# worker's turn is taken only when there is such a batch (an idle claim takes
+# no lock); its count is returned after the first batch (NULL when not taken).
+CLAIM_FIRST = _claim(
+    prelude=f"""chores AS (
+        SELECT {CHORES}
+    ), top AS (
+        {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
+        LIMIT 2
+    ), first AS (
+        SELECT * FROM top ORDER BY priority DESC, virtual_time, id LIMIT 1
+    ), rival AS (
+        SELECT EXISTS (
+            SELECT 1 FROM top, first
+            WHERE top.id <> first.id AND top.priority = first.priority
+        ) AS found
+    ), turn AS (
+        SELECT {TURN} AS held FROM first WHERE NOT capped
+    ),""",
+    batch_id="(SELECT id FROM first WHERE NOT capped)",
+    charge="(SELECT found FROM rival)",
+    result=sql(
+        "SELECT chores.*, (SELECT id FROM first), {now} AS at, "
+        "(SELECT held FROM turn), pick.* FROM chores LEFT JOIN pick ON true"
+    ),
+)
+
+# --- Heartbeat -------------------------------------------------------------------
+
+# Extend a live lease held with this token by this worker: the job's deadline
+# and the open ledger row's, one lease length from now. Returns the new expiry,
+# or no row if the lease is not live.
+HEARTBEAT = sql(
+    """WITH job AS (
+        UPDATE {job} SET {job.lease_expires_at} = {now} + {lease_seconds},
+            {job.heartbeat_at} = {now}, {job.updated_at} = {now}
+        WHERE {job.id} = %(job)s AND {job.status} = {job_status[leased]}
+          AND {job.lease_token} = %(token)s AND {job.leased_by} = %(worker)s
+        RETURNING {job.lease_expires_at} AS expires, {job.heartbeat_at} AS at
+    ), ledger AS (
+        UPDATE {lease} SET {lease.heartbeat_at} = job.at,
+            {lease.expires_at} = job.expires
+        FROM job
+        WHERE {lease}.{lease.token} = %(token)s AND {lease}.{lease.ended_at} IS NULL
+    )
+    SELECT expires FROM job"""
+)
+
+# --- Complete --------------------------------------------------------------------
+
+# leased -> completed under this lease, if the item and the ledger row agree
+# and the batch is not in its tail. Returns the item's status and the open
+# ledger row found (no row at all: the lease is not live), with what the caller
+# logs, and whether the batch is in its tail: nothing queued in the counters
+# this statement sees. A completion in the tail may finish the batch, which
+# needs the batch row's lock and a fresh look at the counters (outbox.py): it
+# writes nothing here, and the ORM backend's code does it all in one
+# transaction. The tail is at most one completion per worker on the batch.
+COMPLETE = sql(
+    """WITH target AS (
+        SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
+            j.{job.attempts} AS attempts, i.{item.status} AS item_status,
+            COALESCE(i.{item.duration_ms}, 0) AS ms, l.{lease.id} AS lease_id,
+            {now} AS at
+        FROM {job} j
+        JOIN {item} i ON i.{item.id} = j.{job.item}
+        LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
+            AND l.{lease.ended_at} IS NULL
+        WHERE j.{job.id} = %(job)s AND j.{job.status} = {job_status[leased]}
+          AND j.{job.lease_token} = %(token)s AND j.{job.leased_by} = %(worker)s
+        FOR NO KEY UPDATE OF j, i
+    ), tail AS (
+        SELECT COALESCE(sum(c.{counter.queued}), 0) = 0 AS tail FROM {counter} c
+        WHERE c.{counter.batch} = (SELECT batch_id FROM target)
+    ), clean AS (
+        SELECT * FROM target
+        WHERE item_status = {item_for[leased]} AND lease_id IS NOT NULL
+          AND NOT (SELECT tail FROM tail)
+    ), job AS (
+        UPDATE {job} SET {job.status} = {job_status[completed]},
+            {job.result} = %(result)s::jsonb, {job.lease_token} = NULL,
+            {job.leased_by} = NULL, {job.lease_expires_at} = NULL,
+            {job.finished_at} = clean.at, {job.updated_at} = clean.at
+        FROM clean WHERE {job}.{job.id} = clean.id
+    ), closed AS (
+        UPDATE {lease} SET {lease.ended_at} = clean.at,
+            {lease.end_reason} = {lease_end[completed]}, {lease.error} = ''
+        FROM clean WHERE {lease}.{lease.id} = clean.lease_id
+    ), item AS (
+        UPDATE {item} SET {item.status} = {item_for[completed]},
+            {item.updated_at} = clean.at
+        FROM clean WHERE {item}.{item.id} = clean.item_id
+    ), moves AS (
+        SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms
+        FROM clean
+    ), {shift}
+    SELECT item_status, lease_id, batch_id, attempts, at, (SELECT tail FROM tail)
+    FROM target""",
+    shift=shift_one(
+        "moves", (ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED])
+    ),
+)
+
+# --- Reclaim ---------------------------------------------------------------------
+
+# leased -> queued for up to ``size`` expired leases with attempts left, oldest
+# first (SKIP LOCKED: concurrent sweeps and claims share the work), whose items
+# and ledger rows agree. Returns every job it looked at, and whether it was
+# clean (the others are left to the ORM path). A lease that expired on the
+# job's last attempt is not clean either: that job fails for good, which may
+# write an ``item.failed`` event and finish its batch (outbox.py), so the ORM
+# backend's code fails it (rare: a file that keeps killing workers).
+#
+# One reclaimer at a time: every chunk first takes a transaction-level advisory
+# lock ({gate}). A sweep waits for it; a claim only tries, and if another
+# process is reclaiming right then, claims without waiting. Reclaims all shift
+# the same counter rows of a batch, so several at once only queue on them.
+RECLAIM_GATE_KEY = 0x7265636C61696D  # "reclaim"
+_RECLAIM = sql(
+    """WITH gate AS (
+        {{gate}}
+    ), pick AS (
+        SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
+            j.{job.attempts} AS attempts, j.{job.max_attempts} AS max_attempts,
+            j.{job.leased_by} AS worker_id, i.{item.status} AS item_status,
+            COALESCE(i.{item.duration_ms}, 0) AS ms,
+            (SELECT l.{lease.id} FROM {lease} l
+             WHERE l.{lease.token} = j.{job.lease_token}
+               AND l.{lease.ended_at} IS NULL) AS lease_id,
+            {now} AS at
+        FROM {job} j
+        JOIN {item} i ON i.{item.id} = j.{job.item}
+        WHERE j.{job.status} = {job_status[leased]}
+          AND j.{job.lease_expires_at} < {now}
+          AND (SELECT open FROM gate)
+        ORDER BY j.{job.lease_expires_at} LIMIT %(size)s
+        FOR NO KEY UPDATE OF j, i SKIP LOCKED
+    ), clean AS (
+        SELECT * FROM pick
+        WHERE item_status = {item_for[leased]} AND lease_id IS NOT NULL
+          AND attempts < max_attempts
+    ), job AS (
+        UPDATE {job} j SET {job.status} = {job_status[queued]},
+            {job.lease_token} = NULL, {job.leased_by} = NULL,
+            {job.lease_expires_at} = NULL, {job.updated_at} = clean.at,
+            {job.available_at} = clean.at, {job.finished_at} = NULL
+        FROM clean WHERE j.{job.id} = clean.id
+    ), closed AS (
+        UPDATE {lease} l SET {lease.ended_at} = clean.at,
+            {lease.end_reason} = {lease_end[expired]}, {lease.error} = %(expired)s
+        FROM clean WHERE l.{lease.id} = clean.lease_id
+    ), item AS (
+        UPDATE {item} i SET {item.updated_at} = clean.at,
+            {item.status} = {item_for[queued]}
+        FROM clean WHERE i.{item.id} = clean.item_id
+    ), moves AS (
+        SELECT batch_id, item_id, item_status AS old, {item_for[queued]} AS new, ms
+        FROM clean
+    ), {shift}, tallied AS (
+        INSERT INTO {tally} ({tally.name}, {tally.count})
+        SELECT 'leases_expired', count(*) FROM clean HAVING count(*) > 0
+        ON CONFLICT ({tally.name}) DO UPDATE
+            SET {tally.count} = {tally}.{tally.count} + excluded.{tally.count}
+    )
+    SELECT id, item_status = {item_for[leased]} AND lease_id IS NOT NULL
+            AND attempts < max_attempts,
+        attempts, worker_id, batch_id
+    FROM pick""",
+    shift=shift_and_record("moves"),
+)
+RECLAIM_WAITING = _RECLAIM.replace(
+    "{gate}", f"SELECT true AS open FROM pg_advisory_xact_lock({RECLAIM_GATE_KEY})"
+)
+RECLAIM_UNLESS_BUSY = _RECLAIM.replace(
+    "{gate}", f"SELECT pg_try_advisory_xact_lock({RECLAIM_GATE_KEY}) AS open"
+)

@@ -1,0 +1,178 @@
+"""`make bench` prints figures, it does not test. These keep it honest: the rows
+it seeds break no invariant, and a tiny run of the whole harness (every
+scenario, the peers included) works, so it cannot rot between releases."""
+
+import re
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+from bench import scale, seed
+from engine.checks import find_violations
+from engine.sweep import sweep
+from harness.pgserver import available
+from harness.server import ROOT
+from jobs import transitions
+from jobs.models import Job, JobStatus
+from tests.support.factories import T0
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.mark.django_db
+def test_seeded_rows_agree_like_the_transitions_leave_them():
+    (holder, _), (claimer, _) = seed.workers(2)
+    batch = seed.batch(
+        "seeded",
+        now=T0,
+        completed=30,
+        leased=7,
+        queued=5,
+        lease_expires_at=T0 + timedelta(minutes=1),
+        worker=holder,
+    )
+
+    assert find_violations(now=T0) == []
+    assert batch.counts() == {
+        **dict.fromkeys(batch.counts(), 0),
+        "done": 30,
+        "transcribing": 7,
+        "queued": 5,
+        "done_ms": 30 * seed.ITEM_MS,
+        "transcribing_ms": 7 * seed.ITEM_MS,
+        "queued_ms": 5 * seed.ITEM_MS,
+    }
+    # The seeded leases behave like real ones: they expire and are reclaimed,
+    # and the seeded queue is claimed in order.
+    assert seed.expire_leases(batch.pk, at=T0) == 7
+    sweep(now=T0 + timedelta(seconds=1))
+    assert Job.objects.filter(status=JobStatus.LEASED).count() == 0
+    job = transitions.claim_next(claimer, now=T0 + timedelta(seconds=2))
+    assert job.batch_id == batch.pk
+    assert find_violations(now=T0 + timedelta(seconds=2)) == []
+
+
+@pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
+def test_a_tiny_bench_run_prints_every_figure():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--processes", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    rows = re.findall(r"^(\d+)\s{2,}(.*)$", result.stdout, re.MULTILINE)
+    assert {n for n, _ in rows} == {*(str(n) for n in range(1, 16)), "17", "18"}
+    cells = [re.split(r"\s{2,}", row) for _, row in rows]
+    scenarios = {c[0] for c in cells}
+    assert {
+        "peer: procrastinate, stock",
+        "peer: django-q2 (ORM broker), tuned",
+    } <= scenarios
+    exact = [c for c in cells if c[1] == "counts equal a fresh recount once quiet"]
+    assert exact[0][2] == "yes"
+    scraped = [
+        c for c in cells if c[1] == "recall_jobs equals a fresh count of the jobs"
+    ]
+    assert scraped[0][2] == "yes"
+    assert any(c[0] == "idle fleet" and "% of one core" in c[2] for c in cells)
+    assert any(c[0] == "long-poll" and "% of one core" in c[2] for c in cells)
+    hostile = [c for c in cells if c[0] == "hostile clients"]
+    assert [c[1] for c in hostile[1:]] == [
+        "leases expired",
+        "/healthz answered every 0.5 s (5 s timeout)",
+        hostile[3][1],  # server memory growth, with the sizes measured
+        "what the attackers sent and got",
+    ]
+    assert hostile[3][1].startswith("server memory growth")
+
+
+@pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
+@pytest.mark.parametrize("kind", ["model", "http"])
+def test_the_hot_path_measure_runs_its_steps(kind):
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.hotpath", kind, "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    assert re.search(
+        rf"^{kind}: 3 claim \+ complete steps, [0-9.]+ ms of CPU each$",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout
+
+
+def test_scale_sizes_read_like_the_docs_write_them():
+    assert scale.parse_scale("10m") == 10_000_000
+    assert scale.parse_scale("250k") == 250_000
+    assert scale.parse_scale("1.5M") == 1_500_000
+    assert scale.parse_scale("5000") == 5_000
+    for bad in ("", "ten", "10g", "999", "-5k"):
+        with pytest.raises(ValueError, match=r"size|too small"):
+            scale.parse_scale(bad)
+
+
+def test_the_scale_layout_is_the_issues_ten_million():
+    layout = scale.Layout.of(10_000_000, 1_000)
+
+    done, leased, queued = layout.largest
+    assert (done, leased, queued) == (500_000, 10_000, 490_000)
+    assert len(layout.finished) == 900
+    assert len(layout.queued) == 99
+    assert sum(layout.finished) + done == 9_000_000
+    assert sum(layout.queued) + queued + leased == 1_000_000
+    assert max(layout.finished + layout.queued) < done + leased + queued
+
+
+@pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
+def test_a_tiny_scale_run_prints_every_figure_and_breaks_no_invariant():
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench", "--quick", "--processes", "2"),
+            *("--scale", "5k", "--scale-batches", "10"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    rows = re.findall(r"^S\s{2,}(.*)$", result.stdout, re.MULTILINE)
+    cells = [re.split(r"\s{2,}", row) for row in rows]
+    assert [c[0] for c in cells] == [
+        "seed",
+        "idle claim",
+        "idle claim",
+        "claim with work",
+        "claim with work",
+        "progress.json",
+        "batch page",
+        "batches list",
+        "admin job list",
+        "admin job list, leased",
+        "sweep",
+        "recall_check",
+        "heartbeat",
+        "heartbeat",
+        "database size",
+    ]
+    check = next(c for c in cells if c[0] == "recall_check")
+    assert "(0 violations)" in check[1]
+    assert check[-1] == "ok"
+
+
+def test_with_one_open_batch_the_largest_holds_the_whole_queue():
+    layout = scale.Layout.of(5_000, 10)
+
+    assert layout.largest == (250, 5, 495)
+    assert layout.queued == []
+    assert sum(layout.finished) + sum(layout.largest) == 5_000
