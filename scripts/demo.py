@@ -292,7 +292,8 @@ class Demo:
 
     def report_progress(self) -> None:
         from batches.models import BatchCounter
-        from jobs import fleet, transitions
+        from engine import fleet
+        from jobs import transitions
 
         c = BatchCounter.objects.all().totals()
         silent = fleet.silent_leases(transitions.now())
