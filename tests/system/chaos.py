@@ -423,6 +423,11 @@ def run(args: argparse.Namespace) -> int:
             for worker in workers:
                 if not worker.alive():
                     worker.start()
+            # On a slow machine the weighted batches may still all have work
+            # when the violence ends: their shares are measured until one runs
+            # dry, however long that takes.
+            with contextlib.suppress(psycopg.Error):
+                shares.sample(url)
             remaining = _scalar(
                 url,
                 "SELECT count(*) FROM batches_batchitem WHERE status IN ('queued', 'transcribing')",
@@ -430,6 +435,8 @@ def run(args: argparse.Namespace) -> int:
             if remaining == 0:
                 break
             time.sleep(1)
+        with contextlib.suppress(psycopg.Error):  # the window ends here at the latest
+            shares.sample(url)
         stop_sweeps.set()
         sweeper.join(timeout=60)
         _manage(env, "recall_sweep")  # what a scheduled sweep would do next
