@@ -94,6 +94,7 @@ def test_a_sigkilled_cluster_mid_delivery_resumes_with_the_same_webhook_id(
 
     in_flight = WebhookDelivery.objects.get()
     assert (in_flight.status, in_flight.attempts) == ("pending", 1)
+    assert in_flight.leased_until is not None, "the attempt ended before the kill"
     assert in_flight.lease_token is not None
     # Not before its lease runs out (the killed cluster might still be alive)...
     assert delivery.deliver(now=in_flight.leased_until - timedelta(seconds=1)).lost == 0
@@ -145,7 +146,11 @@ def test_a_restarted_cluster_resends_an_interrupted_delivery_within_seconds(
             f"/{database['NAME']}"
         ),
         "RECALL_WEBHOOK_ALLOW_PRIVATE": "on",
-        "RECALL_WEBHOOK_TIMEOUT_SECONDS": "1",  # an attempt's lease: 16 s
+        # An attempt's lease: 20 s. Long enough that the hanging attempt is
+        # still in flight when the cluster is killed, even on a busy machine
+        # (a 1 s timeout could end it first, and then it is no interrupted
+        # delivery but a failed one, due again only after its backoff).
+        "RECALL_WEBHOOK_TIMEOUT_SECONDS": "5",
         "LOG_LEVEL": "WARNING",
     }
     first_cluster = _cluster(env)
@@ -156,6 +161,7 @@ def test_a_restarted_cluster_resends_an_interrupted_delivery_within_seconds(
         first_cluster.wait(timeout=30)
     in_flight = WebhookDelivery.objects.get()
     assert (in_flight.status, in_flight.attempts) == ("pending", 1)
+    assert in_flight.leased_until is not None, "the attempt ended before the kill"
     # The killed cluster's attempt holds its lease until it runs out.
     deadline = time.monotonic() + 60
     while transitions.now() <= in_flight.leased_until:
