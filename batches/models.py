@@ -79,6 +79,15 @@ class Batch(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(MAX_IN_FLIGHT)],
         help_text="At most this many of its items in flight at once (empty: no cap).",
     )
+    # Worker labels a worker must declare to claim this batch's jobs
+    # (``batches.labels``): {} lets every worker claim them.
+    requires = models.JSONField(
+        default=dict,
+        blank=True,
+        decoder=StoredJSONDecoder,
+        help_text="Labels a worker must offer, each with exactly this value, to "
+        "take this batch's jobs (none: any worker).",
+    )
     # Stride scheduling's pass: how much of its share the batch has used.
     virtual_time = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)

@@ -90,6 +90,8 @@ class Worker(models.Model):
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
     last_seen = models.DateTimeField(null=True, blank=True)
+    # The labels the worker declared with its latest claim (``batches.labels``).
+    labels = models.JSONField(default=dict, blank=True, decoder=StoredJSONDecoder)
 
     class Meta:
         permissions = [
