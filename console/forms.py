@@ -43,7 +43,7 @@ class RequiresField(forms.CharField):
     def to_python(self, value: Any) -> dict[str, str]:  # type: ignore[override]
         if isinstance(value, Mapping):
             return dict(value)
-        text = super().to_python(value)
+        text = super().to_python(value) or ""
         if "\x00" in text:
             raise forms.ValidationError("Requires must not contain NUL characters.")
         try:
