@@ -431,7 +431,10 @@ def run_once(tree: Tree, options: Options, log: Path) -> list[Figure]:
         finally:
             if child.poll() is None:  # interrupted: let it stop its servers
                 child.terminate()
-                child.wait(timeout=60)
+                try:
+                    child.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
     output = log.read_text()
     if code:
         tail = "\n".join(output.splitlines()[-15:])

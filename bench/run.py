@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="COMMIT[,COMMIT...]",
         help="run the selected rows of this tree and of each commit's own bench "
         "in turn, --runs rounds of --runs 1 each, and print them side by side "
-        "(bench/against.py; BENCHMARKS.md, 'Comparing commits')",
+        "(bench/against.py; docs/development/benchmarks.md, 'Comparing commits')",
     )
     args = parser.parse_args(argv)
     if args.against:
