@@ -342,7 +342,10 @@ def checkout(commit: str) -> Tree:
     """``var/bench-against/<commit>``, cloned (sharing this repository's
     objects) and checked out at ``commit`` if it is not already, with the
     Python it runs with."""
-    sha = _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+    try:
+        sha = _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+    except AgainstError:
+        raise AgainstError("no such commit in this repository") from None
     label = _git("rev-parse", "--short", sha)
     path = CHECKOUTS / label
     if not (path / ".git").exists():
@@ -445,15 +448,15 @@ def run_once(tree: Tree, options: Options, log: Path) -> list[Figure]:
         raise AgainstError(f"{tree.label}: {error} (see {log})") from None
 
 
-def run(trees: Sequence[Tree], options: Options) -> list[dict[str, list[Figure]]]:
+def run(
+    trees: Sequence[Tree], options: Options, stamp: str
+) -> list[dict[str, list[Figure]]]:
     """``options.runs`` rounds; each runs every tree once, starting one later
-    than the round before."""
+    than the round before; each run's output in ``logs/<stamp>-...``."""
     rounds = []
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     for r in range(options.runs):
         measured = {}
-        order = [trees[(r + i) % len(trees)] for i in range(len(trees))]
-        for tree in order:
+        for tree in rotation(trees, r):
             started = time.monotonic()
             log = CHECKOUTS / "logs" / f"{stamp}-round{r + 1}-{_safe(tree.label)}.log"
             figures = run_once(tree, options, log)
@@ -466,6 +469,13 @@ def run(trees: Sequence[Tree], options: Options) -> list[dict[str, list[Figure]]
             )
         rounds.append(measured)
     return rounds
+
+
+def rotation(trees: Sequence[Tree], r: int) -> list[Tree]:
+    """Round ``r``'s order (from 0): the trees, starting ``r`` places on, so
+    each runs first, second ... in turn (the slot after a tree's teardown, or
+    after a checkpoint another left behind, is no one tree's)."""
+    return [trees[(r + i) % len(trees)] for i in range(len(trees))]
 
 
 def _safe(label: str) -> str:
@@ -489,8 +499,9 @@ def main(commits: str, options: Options) -> int:
     if len(trees) == 1:
         raise AgainstError("--against names no commit")
     labels = [t.label for t in trees]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
-        rounds = run(trees, options)
+        rounds = run(trees, options, stamp)
     finally:
         if options.database_url:
             for label in labels:
@@ -505,6 +516,7 @@ def main(commits: str, options: Options) -> int:
         f"\n{len(rounds)} round(s), each tree's own bench with --runs 1, "
         f"P={options.processes}, interleaved; medians over the rounds, x row 1 "
         f"taken within each round. {time.monotonic() - started:.0f} s in all; "
-        f"load average at the end {load} on {os.cpu_count()} cores."
+        f"load average at the end {load} on {os.cpu_count()} cores. Each run's "
+        f"output: {(CHECKOUTS / 'logs').relative_to(ROOT)}/{stamp}-*."
     )
     return 0

@@ -4,16 +4,20 @@ minutes per tree; BENCHMARKS.md shows a real run)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.against import (
     AgainstError,
     Figure,
+    Tree,
     aggregate,
     database_name,
     parse_table,
     pins,
     render,
+    rotation,
 )
 from bench.core import Bench, Sizes, print_table
 
@@ -210,4 +214,17 @@ def test_a_table_without_targets_or_verdicts_is_read_too(capsys):
 
     assert parse_table(capsys.readouterr().out) == [
         Figure("1", "raw-SQL limit", "claim+complete/s, P=2", "95/s")
+    ]
+
+
+def test_each_round_starts_one_tree_later():
+    trees = [Tree(label, Path("."), "python") for label in ("new", "a", "b")]
+
+    orders = [[t.label for t in rotation(trees, r)] for r in range(4)]
+
+    assert orders == [
+        ["new", "a", "b"],
+        ["a", "b", "new"],
+        ["b", "new", "a"],
+        ["new", "a", "b"],
     ]
