@@ -241,11 +241,16 @@ def aggregate(
     return lines
 
 
+_X_RAW = re.compile(r"=\s*(\d+(?:\.\d+)?)\s*x raw\b")
+
+
 def _ratios(
     by_round: list[dict[str, dict[Key, Figure]]], tree: str, key: Key
 ) -> list[float]:
     """This row over row 1 of the same tree in the same round, for rates
-    (``/s``) only: empty unless every round has both."""
+    (``/s``) only: empty unless every round has both. Where the bench printed
+    the ratio itself (``137/s = 0.62 x raw``), that one, taken from figures
+    not yet rounded to whole rates (137 / 219 would say 0.63)."""
     ratios = []
     for per_tree in by_round:
         figure, raw = per_tree[tree].get(key), per_tree[tree].get(("1", 0))
@@ -253,7 +258,10 @@ def _ratios(
             return []
         if figure.unit != "/s" or raw.unit != "/s":
             return []
-        ratios.append(figure.amount / raw.amount)
+        printed = _X_RAW.search(figure.value)
+        ratios.append(
+            float(printed.group(1)) if printed else figure.amount / raw.amount
+        )
     return ratios
 
 
