@@ -29,9 +29,7 @@ pytestmark = pytest.mark.django_db
 
 def _deadlines(*jobs: Job) -> list:
     return [
-        Job.objects.filter(pk=job.pk).values_list(
-            "lease_expires_at", "heartbeat_at"
-        )[0]
+        Job.objects.filter(pk=job.pk).values_list("lease_expires_at", "heartbeat_at")[0]
         for job in jobs
     ]
 
@@ -106,13 +104,17 @@ def test_each_lease_is_judged_as_the_single_heartbeat_judges_it(worker, other_wo
     alone = []
     for job_id, token in asked:
         try:
-            alone.append(transitions.heartbeat(job_id, token, worker=worker, now=later(9)))
+            alone.append(
+                transitions.heartbeat(job_id, token, worker=worker, now=later(9))
+            )
         except LeaseLost:
             exists = Job.objects.filter(pk=job_id).exists()
             alone.append(LEASE_LOST if exists else NOT_FOUND)
     together = transitions.heartbeat_many(asked, worker=worker, now=later(9))
 
-    assert together == alone == [later(69), later(69), LEASE_LOST, LEASE_LOST, NOT_FOUND]
+    assert (
+        together == alone == [later(69), later(69), LEASE_LOST, LEASE_LOST, NOT_FOUND]
+    )
 
 
 def test_a_lease_lost_to_a_reclaim_is_lost_and_the_new_lease_untouched(worker):
@@ -131,7 +133,9 @@ def test_a_lease_lost_to_a_reclaim_is_lost_and_the_new_lease_untouched(worker):
     )
 
     assert answers == [LEASE_LOST, later(130)]
-    assert _deadlines(new) == [(later(122), later(62))]  # the fenced token moved nothing
+    assert _deadlines(new) == [
+        (later(122), later(62))
+    ]  # the fenced token moved nothing
 
 
 def test_an_empty_batch_asks_nothing(worker):
@@ -154,11 +158,14 @@ def test_renews_all_or_nothing(worker):
     jobs = [claim(worker) for _ in range(3)]
     before = snapshot(*jobs)
 
-    with failpoint(Lease._meta.db_table), pytest.raises(DatabaseError, match="failpoint"):
-        with transaction.atomic():
-            transitions.heartbeat_many(
-                [(job.pk, job.lease_token) for job in jobs], worker=worker, now=later(9)
-            )
+    with (
+        failpoint(Lease._meta.db_table),
+        pytest.raises(DatabaseError, match="failpoint"),
+        transaction.atomic(),
+    ):
+        transitions.heartbeat_many(
+            [(job.pk, job.lease_token) for job in jobs], worker=worker, now=later(9)
+        )
 
     assert snapshot(*jobs) == before
 
