@@ -2,9 +2,12 @@
 """Recall reference worker: claims transcription jobs from Recall and runs them.
 
 One file, Python 3.11+, standard library only: copy it onto any machine that can
-reach Recall and run it. It claims a job, runs the transcription engine, sends
-heartbeats on a background thread while the engine works, and completes or
-fails the job; forever, until it is stopped. Run ``recall_worker.py --help`` for
+reach Recall and run it. It claims jobs (as many in one call as it has free
+slots, declaring its ``--label`` s), runs the transcription engine on each,
+heartbeats all its leases in one call per interval on a background thread
+while the engines work, and completes or fails each job; forever, until it is
+stopped. Against a server without those calls for many leases it uses the
+single ones. Run ``recall_worker.py --help`` for
 every option; Recall's docs/reference/worker.md explains the rest.
 
 Guarantees it keeps, and why:
