@@ -267,7 +267,7 @@ COUNTS = {
 }
 # What a batch requires of workers (``batches.labels``): keys match
 # KEY.pattern (OpenAPI 3.0 cannot say so of property names), values VALUE's.
-REQUIRES = {
+REQUIRES: dict[str, Any] = {
     "type": "object",
     "maxProperties": MAX_LABELS,
     "additionalProperties": {
