@@ -35,7 +35,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import QuerySet
 
-from batches.labels import Labels
+from batches.labels import Labels, clean_labels
 from batches.models import Batch
 from jobs.exceptions import TooManyLeases
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
@@ -81,6 +81,7 @@ __all__ = [
     "hand_over_webhook_dispatcher",
     "heal_item",
     "heartbeat",
+    "heartbeat_many",
     "now",
     "pause_batch",
     "purge_batch_chunk",
@@ -98,6 +99,7 @@ __all__ = [
     "rotate_webhook_secret",
     "rotate_worker_token",
     "send_test_webhook",
+    "set_requires",
     "set_share",
     "set_webhook_endpoint_active",
     "set_worker_active",
@@ -264,6 +266,42 @@ def heartbeat(
 ) -> datetime:
     """Extend a live lease; return its new expiry. LeaseLost if not live."""
     return backend().heartbeat(_pk(job), lease_token, worker=worker, now=now)
+
+
+# Job ids a database column can hold; any other id names no job.
+_MAX_DB_ID = 2**63 - 1
+
+
+def heartbeat_many(
+    leases: Sequence[tuple[int, str]],
+    *,
+    worker: Worker,
+    now: datetime | None = None,
+) -> list[datetime | str]:
+    """Extend many leases of one worker at once, in one transaction (a worker
+    with eight GPUs holds eight): ``leases`` are (job id, lease token) pairs,
+    the job ids distinct. For each, in order, its new expiry, or why it was not
+    renewed: ``rules.LEASE_LOST`` (the job is not leased to ``worker`` under
+    that token) or ``rules.NOT_FOUND`` (there is no such job). Each is judged
+    exactly as ``heartbeat`` judges it alone, and a lost one never stops the
+    others being renewed."""
+    ids = [job_id for job_id, _ in leases]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a batched heartbeat names each job at most once")
+    # An id no column can hold names no job (and must not reach the database).
+    asked = [(job_id, token) for job_id, token in leases if 0 < job_id <= _MAX_DB_ID]
+    answers = (
+        dict(
+            zip(
+                (job_id for job_id, _ in asked),
+                backend().heartbeat_many(asked, worker=worker, now=now),
+                strict=True,
+            )
+        )
+        if asked
+        else {}
+    )
+    return [answers.get(job_id, rules.NOT_FOUND) for job_id in ids]
 
 
 def complete(
@@ -440,12 +478,16 @@ def create_batch(
     created_by: Any = None,
     now: datetime | None = None,
     on_created: Callable[[Batch], None] | None = None,
+    requires: Mapping[str, str] | None = None,
 ) -> Batch:
     """The batch, its items (``(source, params, duration_ms)``), their jobs and
     counters, in one transaction. ``items`` may raise to abandon it all. The
     batch joins the fair-share rotation of its priority where the others are.
-    ``on_created(batch)`` runs last in the same transaction (a background
-    intake marks itself done there, so the two commit together)."""
+    ``requires``: the worker labels a worker must offer to claim its jobs
+    (``batches.labels``; LabelError, nothing written, if they break the
+    rules), stored with the batch. ``on_created(batch)`` runs last in the
+    same transaction (a background intake marks itself done there, so the
+    two commit together)."""
     return backend().create_batch(
         name=name,
         items=items,
@@ -455,6 +497,7 @@ def create_batch(
         created_by=created_by,
         now=_now(now),
         on_created=on_created,
+        requires=clean_labels(requires, what="requires"),
     )
 
 
@@ -474,6 +517,26 @@ def set_share(
         priority=priority,
         weight=weight,
         max_in_flight=max_in_flight,
+        now=_now(now),
+        actor=actor,
+    )
+
+
+def set_requires(
+    batch: Batch,
+    requires: Mapping[str, str],
+    *,
+    actor: Any = None,
+    now: datetime | None = None,
+) -> str | None:
+    """Change the worker labels a batch requires (effective for the next
+    claim); records what changed as an event. Returns the change in words,
+    None when there was nothing to change. LabelError for requirements that
+    break the rules; BatchClosed for a finished or cancelled batch (nothing
+    is written either way)."""
+    return actions.set_requires(
+        batch,
+        clean_labels(requires, what="requires"),
         now=_now(now),
         actor=actor,
     )

@@ -24,7 +24,7 @@ from batches.models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStat
 from engine.reconcile import reconcile
 from engine.sweep import sweep
 from jobs import transitions
-from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.exceptions import BatchClosed, LeaseLost, TooManyLeases
 from jobs.models import (
     Event,
     Job,
@@ -189,6 +189,26 @@ def _heartbeat(world: World, k: int, stranger: int | None = None) -> Any:
     return transitions.heartbeat(job_id, token, worker=worker, now=world.now)
 
 
+def _heartbeat_many(
+    world: World, ks: list[int], stranger: int | None = None, unknown: bool = False
+) -> Any:
+    """One batched heartbeat of the k-th leases (the first of each job: ids are
+    distinct), as their holder or as ``stranger``, with a job that does not
+    exist at the end if ``unknown``."""
+    leases: dict[int, str] = {}
+    worker = world.workers[0] if stranger is None else world.workers[stranger]
+    for k in ks:
+        job_id, holder, token = _lease(world, k)
+        leases.setdefault(job_id, token)
+        if stranger is None:
+            worker = holder  # one worker's call: the last named lease's holder
+    if unknown:
+        leases[10_000] = "no-such-job"
+    return transitions.heartbeat_many(
+        list(leases.items()), worker=worker, now=world.now
+    )
+
+
 def _complete(world: World, k: int, text: str = "t") -> Any:
     job_id, worker, token = _lease(world, k)
     result = {
@@ -255,6 +275,15 @@ def _disable(world: World, w: int) -> Any:
 
 def _enable(world: World, w: int) -> Any:
     return transitions.set_worker_active(world.workers[w], True)
+
+
+def _set_requires(world: World, b: int, pairs: tuple[tuple[str, str], ...]) -> Any:
+    try:
+        return transitions.set_requires(
+            _batch(world, b), dict(pairs), actor=world.actor, now=world.now
+        )
+    except BatchClosed:
+        return "batch_closed"
 
 
 def _cap(world: World, max_leases: int) -> None:
@@ -371,6 +400,7 @@ _APPLY = {
     "claim_many": _claim_many,
     "require": _require,
     "heartbeat": _heartbeat,
+    "heartbeat_many": _heartbeat_many,
     "complete": _complete,
     "fail": _fail,
     "release": _release,
@@ -396,6 +426,7 @@ _APPLY = {
     "rotate": _rotate,
     "disable": _disable,
     "enable": _enable,
+    "set_requires": _set_requires,
 }
 ITEM_STATUSES = tuple(ItemStatus.values)
 
