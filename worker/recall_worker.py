@@ -1282,6 +1282,29 @@ class Lease:
         self.lost: str | None = None
         self.refused: Refused | None = None
         self.thread: Heartbeat | None = None  # its own heartbeat, if single
+        self.accepted_at = time.monotonic()  # the claim, then each renewal
+        self._warned = False
+
+    def renewed(self) -> None:
+        """A heartbeat of this lease was accepted."""
+        self.accepted_at = time.monotonic()
+        self._warned = False
+
+    def warn_if_silent(self) -> None:
+        """Warn once when no heartbeat was accepted for a whole lease: the
+        server may have reclaimed it (the batched form's counterpart of the
+        single ``Heartbeat``'s warning)."""
+        silent = time.monotonic() - self.accepted_at
+        if self._warned or silent <= self.job.lease_seconds or self.done.is_set():
+            return
+        self._warned = True
+        log.warning(
+            "%s no heartbeat accepted for %.0fs (lease %gs): the lease "
+            "may be reclaimed; working on until the server says so",
+            self.job.tag,
+            silent,
+            self.job.lease_seconds,
+        )
 
     def lose(self, why: str) -> None:
         """The server says the lease is not ours: stop the engine."""
@@ -1363,6 +1386,8 @@ class Heartbeats(threading.Thread):
 
     def _beat(self, leases: list[Lease], interval: float) -> None:
         """One batched heartbeat of ``leases``, retried within the interval."""
+        for lease in leases:
+            lease.warn_if_silent()
         body = {
             "leases": [
                 {"job_id": lease.job.id, "lease_token": lease.job.lease_token}
@@ -1371,6 +1396,8 @@ class Heartbeats(threading.Thread):
         }
 
         def over() -> bool:
+            for lease in leases:
+                lease.warn_if_silent()  # while the server cannot be reached
             return self._stopped or all(lease.done.is_set() for lease in leases)
 
         try:
@@ -1414,6 +1441,7 @@ class Heartbeats(threading.Thread):
             if lease is None:
                 continue
             if "lease_expires_at" in answer:
+                lease.renewed()
                 log.debug("%s heartbeat ok", lease.job.tag)
             else:
                 error = answer.get("error")

@@ -41,6 +41,8 @@ class FakeServer:
         self.many, self.strict = many, strict
         self.queue = list(range(1, jobs + 1))
         self.lost: set[int] = set()
+        self.beats_fail = False  # every batched heartbeat answers 503
+        self.lease_seconds = 60
         self.requests: list[tuple[str, dict]] = []
         self.completed: list[int] = []
         self.lock = threading.Lock()
@@ -50,7 +52,7 @@ class FakeServer:
             "id": job_id,
             "lease_token": f"lease-{job_id}-" + "x" * 20,
             "lease_expires_at": "2026-01-01T12:01:00+00:00",
-            "lease_seconds": 60,
+            "lease_seconds": self.lease_seconds,
             "heartbeat_interval": 0.5,
             "attempt": 1,
             "max_attempts": 3,
@@ -79,6 +81,8 @@ class FakeServer:
             if path == "/api/v1/heartbeat":
                 if not self.many:
                     return 404, {"error": "not_found", "detail": "No endpoint."}
+                if self.beats_fail:
+                    return 503, {"error": "unavailable", "detail": "Try later."}
                 return 200, {
                     "leases": [
                         {"job_id": lease["job_id"], "error": "lease_lost"}
@@ -223,6 +227,25 @@ def test_a_lease_answered_lost_stops_only_its_own_engine(serve):
     log = Path(proc.log_path).read_text()
     assert "job=2 attempt=1/3 lease lost on heartbeat: stopping the engine" in log
     assert sorted(fake.completed) == [1, 3]
+
+
+def test_it_warns_once_per_lease_when_no_batched_heartbeat_is_accepted(serve):
+    """The server cannot renew the leases for longer than a lease: the worker
+    says so once per lease, as the single heartbeat does, and works on."""
+    fake = FakeServer(2, many=True)
+    fake.beats_fail, fake.lease_seconds = True, 1
+    proc = serve(fake, "--concurrency=2")
+
+    until(lambda: len(fake.completed) == 2, proc, "the 2 jobs completed")
+
+    log = Path(proc.log_path).read_text()
+    for job_id in (1, 2):
+        warnings = re.findall(
+            rf"job={job_id} attempt=1/3 no heartbeat accepted for \d+s \(lease 1s\)",
+            log,
+        )
+        assert len(warnings) == 1, log
+    assert sorted(fake.completed) == [1, 2]
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["refuses", "ignores"])
