@@ -272,7 +272,7 @@ REQUIRES_TEXT = (
     f"claim the batch's jobs; {{}} lets any worker claim them. Keys match "
     f"^{KEY.pattern}$, at most {MAX_LABELS} labels."
 )
-REQUIRES = {
+REQUIRES: dict[str, Any] = {
     "type": "object",
     "maxProperties": MAX_LABELS,
     "additionalProperties": {

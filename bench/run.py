@@ -89,6 +89,35 @@ def _scale_main(parser: argparse.ArgumentParser, args) -> int:
     return 0
 
 
+def _against_main(parser: argparse.ArgumentParser, args) -> int:
+    """``--against``: this tree and earlier commits interleaved (bench/against.py)."""
+    from bench import against
+
+    if args.scale:
+        parser.error("--against compares the scenarios' rows, not --scale")
+    extra = []
+    for flag, value in (
+        ("--sustain-minutes", args.sustain_minutes),
+        ("--purge-items", args.purge_items),
+        ("--purge-baseline-seconds", args.purge_baseline_seconds),
+    ):
+        if value is not None:
+            extra += [flag, str(value)]
+    options = against.Options(
+        only=args.only,
+        runs=args.runs or (1 if args.quick else Sizes().runs),
+        processes=args.processes,
+        quick=args.quick,
+        database_url=args.database_url,
+        extra=extra,
+    )
+    try:
+        return against.main(args.against, options)
+    except against.AgainstError as error:
+        print(f"bench --against: {error}", file=sys.stderr)
+        return 2
+
+
 def _postmaster(server) -> int | None:
     """The PostgreSQL server's main process, if it runs on this machine and
     its data directory is readable (for its CPU time), else None."""
@@ -158,7 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --scale: keep the seeded database (and the private server)",
     )
+    parser.add_argument(
+        "--against",
+        metavar="COMMIT[,COMMIT...]",
+        help="run the selected rows of this tree and of each commit's own bench "
+        "in turn, --runs rounds of --runs 1 each, and print them side by side "
+        "(bench/against.py; docs/development/benchmarks.md, 'Comparing commits')",
+    )
     args = parser.parse_args(argv)
+    if args.against:
+        return _against_main(parser, args)
     if args.scale:
         return _scale_main(parser, args)
     sizes = Sizes.quick(args.processes) if args.quick else Sizes(args.processes)

@@ -32,10 +32,11 @@ def deliver_webhooks(delivery_ids: list[int]) -> dict:
     return dispatch(delivery_ids).as_dict()
 
 
-def dispatch_webhooks(handover: str = "") -> dict:
-    """The dispatcher: scheduled every minute (``recall-webhooks``), or queued
-    by the previous one as its successor (``handover``)."""
-    return dispatch(handover=handover).as_dict()
+def dispatch_webhooks(handover: str = "", standby: bool = False) -> dict:
+    """The dispatcher: scheduled every minute (``recall-webhooks``), queued
+    by the previous one as its successor (``handover``), or by a cluster
+    starting (``standby``: it waits out a killed cluster's lease)."""
+    return dispatch(handover=handover, standby=standby).as_dict()
 
 
 def run_intake(intake_id: int) -> str:
@@ -53,11 +54,14 @@ def cluster_worker_started(sender: object = None, **kwargs: object) -> None:
     reincarnated after a crash; django-q2's ``post_spawn``): queue a
     dispatcher if an attempt falls due soon, so a delivery a killed cluster
     interrupted is made again within seconds of its lease running out, not at
-    the next scheduled run (up to a minute and a half later). Several workers
-    starting queue several: all but one return at once. Never raises: a
-    worker must start whatever the database says."""
+    the next scheduled run (up to a minute and a half later). It stands by:
+    the dispatcher's lease it finds held may be the killed cluster's, which
+    nobody releases; it takes over when that runs out (within seconds of the
+    kill, or of the attempts it was making). Several workers starting queue
+    several: one takes the lease, the others see it taken and return. Never
+    raises: a worker must start whatever the database says."""
     try:
         if seconds_until_due() is not None:
-            async_task(DISPATCH_TASK)
+            async_task(DISPATCH_TASK, standby=True)
     except Exception:
         log.exception("could not queue the webhook dispatcher at start-up")

@@ -26,6 +26,14 @@ seconds it queues its successor and stops: the successor alone may take over
 task holding a cluster worker for minutes. One dispatcher at a time holds a
 lease on the database's clock; a killed one's lease runs out, and a successor
 that never starts stops counting after ``HANDOVER_STALE``.
+
+A cluster starting queues a dispatcher that stands by (``standby``): the lease
+it finds held may be a killed cluster's, which nobody will release, so it waits
+for that lease to run out and takes over, unless the holder renews it (alive:
+it covers the retries). A dispatcher that is only waiting for its next look
+holds a short lease (``IDLE_LEASE``), so a killed one's runs out within
+seconds, before the attempt it was waiting for is due again; only over a round
+of attempts does it hold one as long as an attempt's.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from django_q.tasks import async_task
 from engine.webhooks.destinations import Destination, DestinationRefused, resolve
 from engine.webhooks.signing import signature_header
 from jobs import transitions
-from jobs.models import DeliveryStatus, WebhookDelivery, url_origin
+from jobs.models import DeliveryStatus, WebhookDelivery, WebhookDispatch, url_origin
 from jobs.transitions import Claimed, Outcome
 from jobs.webhook_keys import SecretUnreadable
 
@@ -66,6 +74,9 @@ BUDGET = 50.0
 DISPATCH_TASK = "engine.tasks.dispatch_webhooks"
 # How often a staying dispatcher looks for due attempts.
 POLL_SECONDS = 1.0
+# The dispatcher's lease while it waits between two looks: a few looks long, so
+# that a killed dispatcher's lease runs out within seconds of the kill.
+IDLE_LEASE = timedelta(seconds=5 * POLL_SECONDS)
 # Attempts one process makes at once.
 PARALLEL = 8
 # An attempt's lease: its timeout plus this, for the lookup and the writes.
@@ -308,29 +319,54 @@ def dispatch(
     *,
     handover: str = "",
     budget: float = BUDGET,
+    standby: bool = False,
 ) -> Report:
     """Deliver ``ids`` now (first attempts), then act as the dispatcher while
     an attempt falls due within ``HORIZON``. Returns at once when another
     dispatcher holds the lease, or a successor is awaited (``handover`` is the
-    successor's token): they cover the rest. After ``budget`` seconds, with
-    attempts still due soon, it queues its successor and stops, so one
-    cluster worker is never held for long and other tasks (the sweep) run in
-    between."""
+    successor's token): they cover the rest. With ``standby`` (a cluster
+    starting), a held lease may be a killed cluster's: it waits for that lease
+    to run out and takes over, unless its holder renews it (alive). After
+    ``budget`` seconds, with attempts still due soon, it queues its successor
+    and stops, so one cluster worker is never held for long and other tasks
+    (the sweep) run in between."""
     started = time.monotonic()
     report = Report()
     if ids:
         report.add(deliver(ids))
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     ttl = attempt_lease() + timedelta(seconds=POLL_SECONDS)
-    while transitions.acquire_webhook_dispatcher(owner, ttl=ttl, handover=handover):
-        handover = ""
+    seen: Lease | None = None  # the lease another holds, as last seen
+    while True:
+        if not transitions.acquire_webhook_dispatcher(
+            owner, ttl=ttl, handover=handover
+        ):
+            if not standby:
+                break
+            lease = _held_lease()
+            if lease is None or (seen is not None and lease != seen):
+                break  # a successor is awaited, or the holder is alive
+            if seconds_until_due() is None or time.monotonic() - started >= budget:
+                break
+            seen = lease
+            time.sleep(POLL_SECONDS)
+            continue
+        handover, seen = "", None
         try:
             while (wait := _deliver_due(report)) is not None:
                 if time.monotonic() - started >= budget:
                     _hand_over(owner)
                     return report
+                # Between two looks, a short lease (a kill lets it run out
+                # soon); before attempts fall due, one that outlasts them. A
+                # lease lost meanwhile (this process stalled) is another's now.
+                if not transitions.acquire_webhook_dispatcher(owner, ttl=IDLE_LEASE):
+                    break
                 time.sleep(min(POLL_SECONDS, wait))
-                transitions.acquire_webhook_dispatcher(owner, ttl=ttl)
+                if wait <= POLL_SECONDS and not transitions.acquire_webhook_dispatcher(
+                    owner, ttl=ttl
+                ):
+                    break
         finally:
             transitions.release_webhook_dispatcher(owner)
         # Another process may have found the lease held just before the
@@ -338,6 +374,18 @@ def dispatch(
         if seconds_until_due() is None:
             break
     return report
+
+
+Lease = tuple[str, datetime | None]  # (holder, until)
+
+
+def _held_lease() -> Lease | None:
+    """The dispatcher's lease as another holds it (holder, until), or None
+    if instead a successor is awaited."""
+    state = WebhookDispatch.objects.filter(pk=WebhookDispatch.SINGLETON).first()
+    if state is None or state.handover:
+        return None
+    return (state.locked_by, state.locked_until)
 
 
 def _deliver_due(report: Report) -> float | None:
