@@ -267,6 +267,11 @@ COUNTS = {
 }
 # What a batch requires of workers (``batches.labels``): keys match
 # KEY.pattern (OpenAPI 3.0 cannot say so of property names), values VALUE's.
+REQUIRES_TEXT = (
+    f"Worker labels a worker must declare, each key with exactly this value, to "
+    f"claim the batch's jobs; {{}} lets any worker claim them. Keys match "
+    f"^{KEY.pattern}$, at most {MAX_LABELS} labels."
+)
 REQUIRES: dict[str, Any] = {
     "type": "object",
     "maxProperties": MAX_LABELS,
@@ -276,9 +281,7 @@ REQUIRES: dict[str, Any] = {
         "maxLength": 63,
         "pattern": f"^{VALUE.pattern}$",
     },
-    "description": f"Worker labels a worker must declare, each key with exactly "
-    f"this value, to claim the batch's jobs; {{}} lets any worker claim them. "
-    f"Keys match ^{KEY.pattern}$, at most {MAX_LABELS} labels.",
+    "description": REQUIRES_TEXT,
     "example": {"gpu": "a100", "model": "large-v3"},
 }
 BATCH = {
@@ -442,7 +445,7 @@ SCHEMAS = {
             "requires": {
                 **REQUIRES,
                 "nullable": True,
-                "description": REQUIRES["description"] + " Default {}; anything "
+                "description": REQUIRES_TEXT + " Default {}; anything "
                 "else that breaks these rules is 400 bad_request.",
             },
             "items": {
