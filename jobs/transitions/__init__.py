@@ -35,7 +35,8 @@ from typing import Any
 from django.conf import settings
 from django.db.models import QuerySet
 
-from batches.models import Batch
+from batches.flags import flags_for
+from batches.models import Batch, BatchItem
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
 from . import actions, purge, repairs, rules, webhook_writes, workers
@@ -64,6 +65,7 @@ __all__ = [
     "claim_webhook_deliveries",
     "close_stray_leases",
     "complete",
+    "completion_flags",
     "create_batch",
     "create_webhook_endpoint",
     "create_worker",
@@ -200,12 +202,33 @@ def complete(
 ) -> None:
     """leased -> completed, with the result. Replaying the call with the token
     that completed it succeeds again and changes nothing (the worker may have
-    lost the response). LeaseLost if the lease is not live."""
+    lost the response). LeaseLost if the lease is not live.
+
+    The item's quality flags (``batches.flags``) are decided here, from the
+    result and the item's duration and requested language (which never change
+    after intake, so reading them before the lock is safe), and written by the
+    backend with the completion."""
+    job_id = _pk(job)
+    flags = completion_flags(job_id, result)
     done = backend().complete(
-        _pk(job), lease_token, worker=worker, result=result, now=now
+        job_id, lease_token, worker=worker, result=result, flags=flags, now=now
     )
     if done is not None:
         log_lease("completed", done, worker_id=worker.pk)
+
+
+def completion_flags(job_id: int, result: dict[str, Any]) -> tuple[str, ...]:
+    """The quality flags a completion of this job with ``result`` gives its
+    item (none for an unknown job: the backend then refuses the completion)."""
+    facts = (
+        BatchItem.objects.filter(job__pk=job_id)
+        .values_list("duration_ms", "params__language")
+        .first()
+    )
+    if facts is None:
+        return ()
+    duration_ms, language = facts
+    return flags_for(result, duration_ms=duration_ms, language=language)
 
 
 def fail(

@@ -68,6 +68,7 @@ class TransitionBackend(Protocol):
         *,
         worker: Worker,
         result: dict[str, Any],
+        flags: Sequence[str],
         now: datetime | None,
     ) -> Job | None: ...
 

@@ -327,10 +327,12 @@ class OrmBackend:
         *,
         worker: Worker,
         result: dict[str, Any],
+        flags: Sequence[str] = (),
         now: datetime | None,
     ) -> Job | None:
         """The completed job, or None when this completion was already made
-        with this token (a replay: the worker lost the first response)."""
+        with this token (a replay: the worker lost the first response).
+        ``flags``: the completion's quality flags, stored on its item."""
         now = self._resolve(now)
         with finishing(now):
             job = self._lock_lease(job_id, lease_token, worker)
@@ -349,6 +351,7 @@ class OrmBackend:
                 now=now,
                 lease_end=LeaseEnd.COMPLETED,
                 result=result,
+                flags=flags,
             )
         return job
 

@@ -37,6 +37,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model, QuerySet
 from psycopg.types.datetime import TimestamptzLoader
 
+from batches.flags import FLAG_COLUMNS
 from batches.models import Batch, BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, JobStatus, Worker
@@ -304,6 +305,7 @@ class PostgresBackend(OrmBackend):
         *,
         worker: Worker,
         result: dict[str, Any],
+        flags: Sequence[str] = (),
         now: datetime | None,
     ) -> Job | None:
         row = self._fetchone(
@@ -314,6 +316,7 @@ class PostgresBackend(OrmBackend):
                 "worker": worker.pk,
                 "result": json.dumps(result),
                 "now": now,
+                **{column: flag in flags for flag, column in FLAG_COLUMNS.items()},
             },
         )
         if row is not None:
@@ -335,7 +338,7 @@ class PostgresBackend(OrmBackend):
         # tail (this completion may finish it): the ORM code decides, heals,
         # and checks the finish under the batch's lock.
         return super().complete(
-            job_id, lease_token, worker=worker, result=result, now=now
+            job_id, lease_token, worker=worker, result=result, flags=flags, now=now
         )
 
     # --- Reclaim ----------------------------------------------------------------

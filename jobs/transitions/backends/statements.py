@@ -25,6 +25,7 @@ from typing import Any
 
 from django.db.models import Model
 
+from batches.flags import FLAG_COLUMNS
 from batches.models import (
     COUNTER_COLUMNS,
     COUNTER_SHARDS,
@@ -195,11 +196,15 @@ def shift_and_record(moves: str) -> str:
     )
 
 
-def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
+def shift_one(
+    moves: str, moved: tuple[ItemStatus, ItemStatus], *, flags: bool = False
+) -> str:
     """``shift_and_record`` for CTE ``moves`` holding at most one move, from
     ``moved`` = (old, new) (a claim, a completion): one counter row changes, by
     the four columns the move touches, so no lock order is needed; and the
-    minute's bucket only if the move is a finish."""
+    minute's bucket only if the move is a finish. With ``flags``, the moves
+    also carry ``old_flag_<name>`` and ``new_flag_<name>`` (booleans: a
+    completion's quality flags) and the flag counters shift by them."""
     counter, minute = NAMES["counter"], NAMES["minute"]
     old, new = (ItemStatus(status).value for status in moved)
     changes = ", ".join(
@@ -210,6 +215,12 @@ def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
             (getattr(counter, f"{status}_ms"), "m.ms"),
         )
     )
+    if flags:
+        changes += "".join(
+            f", {getattr(counter, c)} = c.{getattr(counter, c)}"
+            f" + m.new_{c}::int - m.old_{c}::int"
+            for c in FLAG_COLUMNS.values()
+        )
     counted = sql(
         """counter AS (
         UPDATE {counter} c SET {changes}
@@ -483,7 +494,7 @@ COMPLETE = sql(
         SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
             j.{job.attempts} AS attempts, i.{item.status} AS item_status,
             COALESCE(i.{item.duration_ms}, 0) AS ms, l.{lease.id} AS lease_id,
-            {now} AS at
+            {old_flags}, {now} AS at
         FROM {job} j
         JOIN {item} i ON i.{item.id} = j.{job.item}
         LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
@@ -510,16 +521,31 @@ COMPLETE = sql(
         FROM clean WHERE {lease}.{lease.id} = clean.lease_id
     ), item AS (
         UPDATE {item} SET {item.status} = {item_for[completed]},
-            {item.updated_at} = clean.at
+            {item.updated_at} = clean.at, {set_flags}
         FROM clean WHERE {item}.{item.id} = clean.item_id
     ), moves AS (
-        SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms
+        SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms,
+            {new_flags}
         FROM clean
     ), {shift}
     SELECT item_status, lease_id, batch_id, attempts, at, (SELECT tail FROM tail)
     FROM target""",
     shift=shift_one(
-        "moves", (ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED])
+        "moves",
+        (ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED]),
+        flags=True,
+    ),
+    # The completion's quality flags (batches.flags), computed in Python by the
+    # catalogue and passed as %(flag_<name>)s; the item's old ones come off the
+    # counters (an item that is not done has none, but a drifted one may).
+    old_flags=", ".join(
+        f"i.{getattr(NAMES['item'], c)} AS old_{c}" for c in FLAG_COLUMNS.values()
+    ),
+    set_flags=", ".join(
+        f"{getattr(NAMES['item'], c)} = %({c})s" for c in FLAG_COLUMNS.values()
+    ),
+    new_flags=", ".join(
+        f"old_{c}, %({c})s::boolean AS new_{c}" for c in FLAG_COLUMNS.values()
     ),
 )
 
