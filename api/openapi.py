@@ -16,6 +16,7 @@ from django.views.decorators.http import require_GET
 
 from api import worker_openapi
 from api.operator_views import MAX_SEARCH_CHARS, PAGE_SIZE
+from batches.flags import FLAGS
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from engine.progress import BatchState
 from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
@@ -215,13 +216,20 @@ PATHS = {
                     "required": False,
                     "schema": {"type": "string", "enum": list(ItemStatus.values)},
                 },
+                {
+                    "name": "flag",
+                    "in": "query",
+                    "required": False,
+                    "description": "Only the items with this quality flag.",
+                    "schema": {"type": "string", "enum": list(FLAGS)},
+                },
                 CURSOR,
                 LIMIT,
             ],
             "responses": {
                 "200": _json("ItemPage"),
                 **BATCH_ERRORS,
-                "400": _error("A bad state, cursor or limit."),
+                "400": _error("A bad state, flag, cursor or limit."),
             },
         }
     },
@@ -284,6 +292,7 @@ BATCH = {
         "in_flight",
         "silent",
         "retry",
+        "flags",
     ],
     "properties": {
         "id": {"type": "integer"},
@@ -320,12 +329,29 @@ BATCH = {
             "each waits out the backoff after a retryable failure: how many, "
             "and seconds until the first may be claimed. Null otherwise.",
         },
+        "flags": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": list(FLAGS),
+            "properties": {flag: {"type": "integer", "minimum": 0} for flag in FLAGS},
+            "description": "Done items per quality flag (empty, short, "
+            "language_mismatch).",
+        },
     },
 }
 ITEM = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["id", "source", "params", "state", "attempts", "error", "result"],
+    "required": [
+        "id",
+        "source",
+        "params",
+        "state",
+        "attempts",
+        "error",
+        "result",
+        "flags",
+    ],
     "properties": {
         "id": {"type": "integer"},
         "source": {"type": "string"},
@@ -337,6 +363,12 @@ ITEM = {
             "type": "object",
             "nullable": True,
             "description": "The stored transcript, when the item is done.",
+        },
+        "flags": {
+            "type": "array",
+            "items": {"type": "string", "enum": list(FLAGS)},
+            "description": "Quality flags of the item's latest completion, "
+            "sorted ([] when none or not done).",
         },
     },
 }

@@ -29,7 +29,15 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
-from batches.models import Batch, BatchCounter, BatchMinute, ItemStatus
+from batches.flags import FLAGS
+from batches.models import (
+    FLAG_COUNTER_COLUMNS,
+    Batch,
+    BatchCounter,
+    BatchMinute,
+    ItemStatus,
+    flag_counts,
+)
 from jobs.models import Job, JobStatus
 from jobs.transitions.rules import silent_after
 
@@ -279,6 +287,15 @@ class Progress:
     # Read for the JSON only (``retry=True``): set when every queued item waits
     # out a retry backoff, so the batch waits for time, not for workers.
     retry: RetryWait | None = None
+    # Done items per quality flag (batches.flags), from the counters.
+    flags: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def flag_rows(self) -> list[tuple[str, str, int]]:
+        """(flag, label, count) for the page, in FLAGS order."""
+        return [
+            (flag, flag.replace("_", " "), self.flags.get(flag, 0)) for flag in FLAGS
+        ]
 
     @property
     def eta_text(self) -> str:
@@ -323,6 +340,7 @@ class Progress:
             # Of in_flight, the leases whose worker stopped heartbeating.
             "silent": self.silent,
             "retry": self.retry.as_json() if self.retry else None,
+            "flags": {flag: self.flags.get(flag, 0) for flag in FLAGS},
         }
 
 
@@ -343,6 +361,7 @@ def progress_for_many(
         *ItemStatus.values,
         f"{ItemStatus.QUEUED}_ms",
         f"{ItemStatus.TRANSCRIBING}_ms",
+        *FLAG_COUNTER_COLUMNS,
     ]
     for batch_id, *sums in (
         BatchCounter.objects.filter(batch_id__in=ids)
@@ -434,6 +453,7 @@ def progress_for_many(
             batch=batch,
             now=now,
             counts={s: c[s] for s in ItemStatus.values},
+            flags=flag_counts(c),
             state=state,
             total=batch.total,
             percent_done=percent(c[ItemStatus.DONE], batch.total),

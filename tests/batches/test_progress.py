@@ -238,6 +238,8 @@ def test_progress_counts_rate_and_eta_by_items(worker):
         # Added by silent leases and retry waits (issue 27).
         "silent": 0,
         "retry": None,
+        # Added by quality flags (issue 29).
+        "flags": {"empty": 0, "short": 0, "language_mismatch": 0},
     }
 
 
