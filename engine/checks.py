@@ -7,8 +7,10 @@ scenario. Each check is one set-based query, so it stays usable on big tables.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Count, Exists, F, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
@@ -196,7 +198,7 @@ def _attempts_within_limits(now: datetime) -> list[Violation]:
 
 def _counters_match_items(now: datetime) -> list[Violation]:
     counted: dict = defaultdict(lambda: defaultdict(int))
-    for row in (
+    rows: Iterable[Any] = (
         BatchItem.objects.values("batch_id", "status")
         .annotate(
             n=Count("pk"),
@@ -204,7 +206,8 @@ def _counters_match_items(now: datetime) -> list[Violation]:
             **{c: Count("pk", filter=Q(**{c: True})) for c in FLAG_COUNTER_COLUMNS},
         )
         .order_by()
-    ):
+    )
+    for row in rows:
         counted[row["batch_id"]][row["status"]] += row["n"]
         counted[row["batch_id"]][f"{row['status']}_ms"] += row["ms"]
         for column in FLAG_COUNTER_COLUMNS:
