@@ -393,3 +393,24 @@ def test_the_batch_page_shows_the_counts_and_filters_by_flag(flagged_batch):
     assert 'data-flag="empty"' in item
     assert 'data-flag="language_mismatch"' in item
     assert 'data-flag="short"' in item
+
+
+# --- The demo's flagged transcripts ------------------------------------------------
+
+
+def test_the_demo_manifests_items_come_out_flagged(settings):
+    """``make demo`` (scripts/demo.py FLAGGED) asks the simulated engine for a
+    silent, a mumbled and a German item: each yields its flag, the rest none."""
+    from tests.support.worker import load_worker_module
+
+    rw = load_worker_module()
+
+    def flags(quirk, seconds, asked="en"):
+        result = rw.simulated_transcript(8, seconds, quirk)
+        return flags_for(result, duration_ms=int(seconds * 1000), language=asked)
+
+    assert flags("silence", 45.0) == ("empty", "short")
+    assert flags("mumble", 90.0) == ("short",)
+    assert flags("", 45.0, asked="de") == ("language_mismatch",)
+    assert flags(None, 20.0) == ()
+    assert flags(None, 3600.0) == ()
