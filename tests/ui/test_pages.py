@@ -184,6 +184,8 @@ def test_progress_json(viewer_client, worker):
         # Added by silent leases and retry waits (issue 27).
         "silent",
         "retry",
+        # Added by quality flags (issue 29).
+        "flags",
     }
     assert (body["batch"], body["state"], body["total"], body["percent_done"]) == (
         batch.pk,
