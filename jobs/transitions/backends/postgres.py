@@ -506,7 +506,12 @@ class PostgresBackend(OrmBackend):
         that selected only them gives it: the others are deferred, read from the
         database if ever asked for. ``model(**values)`` would compute every other
         field's default on each call instead, several times the cost."""
-        return model.from_db(self.connection.alias, list(values), list(values.values()))
+        # from_db reads the values in the model's field order, whatever order
+        # the names are given in: hand them over in that order.
+        names = [f.attname for f in model._meta.concrete_fields if f.attname in values]
+        return model.from_db(
+            self.connection.alias, names, [values[name] for name in names]
+        )
 
 
 @functools.cache
