@@ -414,3 +414,32 @@ def test_the_demo_manifests_items_come_out_flagged(settings):
     assert flags("", 45.0, asked="de") == ("language_mismatch",)
     assert flags(None, 20.0) == ()
     assert flags(None, 3600.0) == ()
+
+
+@pytest.mark.django_db
+@pytest.mark.postgres
+def test_on_postgresql_a_flagged_completion_is_one_read_and_one_statement():
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    batch = make_batch(durations=[60, 60, 60], languages=["en", "en", "en"])
+    worker = make_worker()
+    job = claim(worker)
+
+    with CaptureQueriesContext(connection) as captured:
+        transitions.complete(
+            job,
+            job.lease_token,
+            worker=worker,
+            result={"text": "", "language": "de"},
+            now=later(1),
+        )
+
+    # The item's duration and language are the one ORM query; the completion
+    # with its flags is the backend's prepared statement (run on psycopg's own
+    # cursor, not captured here): no ORM write joins it on the clean path.
+    queries = [q["sql"] for q in captured if "SAVEPOINT" not in q["sql"]]
+    assert len(queries) == 1
+    assert queries[0].startswith('SELECT "batches_batchitem"."duration_ms"')
+    assert _flagged(batch)[0] == ["empty", "language_mismatch", "short"]
+    assert _flag_totals(batch) == {"empty": 1, "short": 1, "language_mismatch": 1}
