@@ -443,3 +443,21 @@ def test_on_postgresql_a_flagged_completion_is_one_read_and_one_statement():
     assert queries[0].startswith('SELECT "batches_batchitem"."duration_ms"')
     assert _flagged(batch)[0] == ["empty", "language_mismatch", "short"]
     assert _flag_totals(batch) == {"empty": 1, "short": 1, "language_mismatch": 1}
+
+
+@pytest.mark.django_db
+def test_the_admin_lists_and_filters_items_by_flag(flagged_batch):
+    client = Client()
+    client.force_login(make_user("flag-admin", superuser=True))
+    ids = list(
+        BatchItem.objects.filter(batch=flagged_batch)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+
+    response = client.get("/admin/batches/batchitem/", {"flag_short__exact": "1"})
+
+    assert response.status_code == 200
+    listed = sorted(item.pk for item in response.context["cl"].result_list)
+    assert listed == [ids[1], ids[4]]
+    assert "empty, language_mismatch, short" in response.content.decode()
