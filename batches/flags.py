@@ -43,10 +43,17 @@ def words(text: object) -> int:
     return len(text.split()) if isinstance(text, str) else 0
 
 
-def _language(value: object) -> str | None:
-    if not isinstance(value, str) or not value.strip():
+# What a language name is trimmed of before it is compared (the statement
+# backend's COMPLETE trims the item's by the same characters).
+SPACES = " \t\n\r\x0b\x0c"
+
+
+def language_name(value: object) -> str | None:
+    """A language name as compared: trimmed of SPACES and lower-cased; None
+    for anything but a non-empty string."""
+    if not isinstance(value, str) or not value.strip(SPACES):
         return None
-    return value.strip().casefold()
+    return value.strip(SPACES).lower()
 
 
 def flags_for(
@@ -68,7 +75,8 @@ def flags_for(
         and n * 60_000 < per_minute * duration_ms
     ):
         found.append("short")
-    heard, asked = _language(result.get("language")), _language(language)
+    heard = language_name(result.get("language"))
+    asked = language_name(language)
     if heard is not None and asked is not None and heard != asked:
         found.append("language_mismatch")
     return tuple(sorted(found))

@@ -35,9 +35,8 @@ from typing import Any
 from django.conf import settings
 from django.db.models import QuerySet
 
-from batches.flags import flags_for
 from batches.labels import Labels
-from batches.models import Batch, BatchItem
+from batches.models import Batch
 from jobs.exceptions import TooManyLeases
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
@@ -68,7 +67,6 @@ __all__ = [
     "claim_webhook_deliveries",
     "close_stray_leases",
     "complete",
-    "completion_flags",
     "create_batch",
     "create_webhook_endpoint",
     "create_worker",
@@ -280,31 +278,14 @@ def complete(
     that completed it succeeds again and changes nothing (the worker may have
     lost the response). LeaseLost if the lease is not live.
 
-    The item's quality flags (``batches.flags``) are decided here, from the
-    result and the item's duration and requested language (which never change
-    after intake, so reading them before the lock is safe), and written by the
-    backend with the completion."""
-    job_id = _pk(job)
-    flags = completion_flags(job_id, result)
+    The item's quality flags (``batches.flags``) are decided by the backend
+    from the result and the item's duration and requested language, and
+    written with the completion."""
     done = backend().complete(
-        job_id, lease_token, worker=worker, result=result, flags=flags, now=now
+        _pk(job), lease_token, worker=worker, result=result, now=now
     )
     if done is not None:
         log_lease("completed", done, worker_id=worker.pk)
-
-
-def completion_flags(job_id: int, result: dict[str, Any]) -> tuple[str, ...]:
-    """The quality flags a completion of this job with ``result`` gives its
-    item (none for an unknown job: the backend then refuses the completion)."""
-    facts = (
-        BatchItem.objects.filter(job__pk=job_id)
-        .values_list("duration_ms", "params__language")
-        .first()
-    )
-    if facts is None:
-        return ()
-    duration_ms, language = facts
-    return flags_for(result, duration_ms=duration_ms, language=language)
 
 
 def fail(

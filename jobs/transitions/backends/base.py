@@ -74,7 +74,6 @@ class TransitionBackend(Protocol):
         *,
         worker: Worker,
         result: dict[str, Any],
-        flags: Sequence[str],
         now: datetime | None,
     ) -> Job | None: ...
 

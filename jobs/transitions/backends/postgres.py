@@ -37,7 +37,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model, QuerySet
 from psycopg.types.datetime import TimestamptzLoader
 
-from batches.flags import FLAG_COLUMNS
+from batches.flags import language_name, words
 from batches.labels import Labels
 from batches.models import Batch, BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
@@ -338,7 +338,6 @@ class PostgresBackend(OrmBackend):
         *,
         worker: Worker,
         result: dict[str, Any],
-        flags: Sequence[str] = (),
         now: datetime | None,
     ) -> Job | None:
         row = self._fetchone(
@@ -349,7 +348,11 @@ class PostgresBackend(OrmBackend):
                 "worker": worker.pk,
                 "result": json.dumps(result),
                 "now": now,
-                **{column: flag in flags for flag, column in FLAG_COLUMNS.items()},
+                # The quality flags are decided in the statement, from these
+                # and the item it locks (batches.flags, mirrored in COMPLETE).
+                "words": words(result.get("text")),
+                "heard": language_name(result.get("language")),
+                "per_minute": settings.RECALL_MIN_WORDS_PER_MINUTE,
             },
         )
         if row is not None:
@@ -371,7 +374,7 @@ class PostgresBackend(OrmBackend):
         # tail (this completion may finish it): the ORM code decides, heals,
         # and checks the finish under the batch's lock.
         return super().complete(
-            job_id, lease_token, worker=worker, result=result, flags=flags, now=now
+            job_id, lease_token, worker=worker, result=result, now=now
         )
 
     # --- Reclaim ----------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 
 from django.db.models import Model
 
-from batches.flags import FLAG_COLUMNS
+from batches.flags import FLAG_COLUMNS, SHORT_MIN_MS, SPACES
 from batches.models import (
     COUNTER_COLUMNS,
     COUNTER_SHARDS,
@@ -507,7 +507,7 @@ COMPLETE = sql(
         SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
             j.{job.attempts} AS attempts, i.{item.status} AS item_status,
             COALESCE(i.{item.duration_ms}, 0) AS ms, l.{lease.id} AS lease_id,
-            {old_flags}, {now} AS at
+            {old_flags}, {new_flags}, {now} AS at
         FROM {job} j
         JOIN {item} i ON i.{item.id} = j.{job.item}
         LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
@@ -538,7 +538,7 @@ COMPLETE = sql(
         FROM clean WHERE {item}.{item.id} = clean.item_id
     ), moves AS (
         SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms,
-            {new_flags}
+            {moved_flags}
         FROM clean
     ), {shift}
     SELECT item_status, lease_id, batch_id, attempts, at, (SELECT tail FROM tail)
@@ -548,18 +548,32 @@ COMPLETE = sql(
         (ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED]),
         flags=True,
     ),
-    # The completion's quality flags (batches.flags), computed in Python by the
-    # catalogue and passed as %(flag_<name>)s; the item's old ones come off the
-    # counters (an item that is not done has none, but a drifted one may).
+    # The completion's quality flags: batches.flags.flags_for, decided here
+    # from the item this statement locks and %(words)s, %(heard)s (the
+    # result's word count and language_name) and %(per_minute)s, so the
+    # completion stays one statement (the differential test holds both to the
+    # same answers). The item's old flags come off the counters (an item that
+    # is not done has none, but a drifted one may).
     old_flags=", ".join(
         f"i.{getattr(NAMES['item'], c)} AS old_{c}" for c in FLAG_COLUMNS.values()
     ),
+    new_flags=sql(
+        """%(words)s::bigint = 0 AS new_flag_empty,
+        COALESCE(i.{item.duration_ms} >= {short_min_ms}
+            AND %(words)s::bigint * 60000 < %(per_minute)s::bigint * i.{item.duration_ms},
+            false) AS new_flag_short,
+        COALESCE(%(heard)s::text IS NOT NULL
+            AND jsonb_typeof(i.{item.params} -> 'language') = 'string'
+            AND lower(btrim(i.{item.params} ->> 'language', {spaces}))
+                NOT IN ('', %(heard)s::text),
+            false) AS new_flag_language_mismatch""",
+        short_min_ms=SHORT_MIN_MS,
+        spaces="E'" + "".join(f"\\x{ord(c):02x}" for c in SPACES) + "'",
+    ),
     set_flags=", ".join(
-        f"{getattr(NAMES['item'], c)} = %({c})s" for c in FLAG_COLUMNS.values()
+        f"{getattr(NAMES['item'], c)} = clean.new_{c}" for c in FLAG_COLUMNS.values()
     ),
-    new_flags=", ".join(
-        f"old_{c}, %({c})s::boolean AS new_{c}" for c in FLAG_COLUMNS.values()
-    ),
+    moved_flags=", ".join(f"old_{c}, new_{c}" for c in FLAG_COLUMNS.values()),
 )
 
 # --- Reclaim ---------------------------------------------------------------------
