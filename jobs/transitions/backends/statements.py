@@ -560,7 +560,8 @@ COMPLETE = sql(
     new_flags=sql(
         """%(words)s::bigint = 0 AS new_flag_empty,
         COALESCE(i.{item.duration_ms} >= {short_min_ms}
-            AND %(words)s::bigint * 60000 < %(per_minute)s::bigint * i.{item.duration_ms},
+            AND %(words)s::bigint * 60000
+                < %(per_minute)s::bigint * i.{item.duration_ms},
             false) AS new_flag_short,
         COALESCE(%(heard)s::text IS NOT NULL
             AND jsonb_typeof(i.{item.params} -> 'language') = 'string'
