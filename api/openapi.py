@@ -16,6 +16,7 @@ from django.views.decorators.http import require_GET
 
 from api import worker_openapi
 from api.operator_views import MAX_SEARCH_CHARS, PAGE_SIZE
+from batches.flags import FLAGS
 from batches.labels import KEY, MAX_LABELS, VALUE
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from engine.progress import BatchState
@@ -216,13 +217,20 @@ PATHS = {
                     "required": False,
                     "schema": {"type": "string", "enum": list(ItemStatus.values)},
                 },
+                {
+                    "name": "flag",
+                    "in": "query",
+                    "required": False,
+                    "description": "Only the items with this quality flag.",
+                    "schema": {"type": "string", "enum": list(FLAGS)},
+                },
                 CURSOR,
                 LIMIT,
             ],
             "responses": {
                 "200": _json("ItemPage"),
                 **BATCH_ERRORS,
-                "400": _error("A bad state, cursor or limit."),
+                "400": _error("A bad state, flag, cursor or limit."),
             },
         }
     },
@@ -306,6 +314,7 @@ BATCH = {
         "retry",
         "requires",
         "waiting_for_worker",
+        "flags",
     ],
     "properties": {
         "id": {"type": "integer"},
@@ -356,12 +365,29 @@ BATCH = {
             "within the workers page's online window (the lease length plus 60 "
             "s): nobody can take its work. Its eta_seconds is then null.",
         },
+        "flags": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": list(FLAGS),
+            "properties": {flag: {"type": "integer", "minimum": 0} for flag in FLAGS},
+            "description": "Done items per quality flag (empty, short, "
+            "language_mismatch).",
+        },
     },
 }
 ITEM = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["id", "source", "params", "state", "attempts", "error", "result"],
+    "required": [
+        "id",
+        "source",
+        "params",
+        "state",
+        "attempts",
+        "error",
+        "result",
+        "flags",
+    ],
     "properties": {
         "id": {"type": "integer"},
         "source": {"type": "string"},
@@ -373,6 +399,12 @@ ITEM = {
             "type": "object",
             "nullable": True,
             "description": "The stored transcript, when the item is done.",
+        },
+        "flags": {
+            "type": "array",
+            "items": {"type": "string", "enum": list(FLAGS)},
+            "description": "Quality flags of the item's latest completion, "
+            "sorted ([] when none or not done).",
         },
     },
 }

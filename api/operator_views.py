@@ -24,6 +24,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from api.jsonapi import ApiError, bad_request, field, json_object_body
 from api.worker_views import MAX_DB_ID
+from batches.flags import FLAG_COLUMNS, FLAGS
 from batches.labels import LabelError, clean_labels
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, Batch, BatchItem, ItemStatus
 from batches.numbers import whole_number
@@ -163,6 +164,8 @@ def item_json(item: BatchItem, job: Job) -> dict:
         "attempts": job.attempts,
         "error": job.last_error or None,
         "result": job.result if item.status == ItemStatus.DONE else None,
+        # Quality flags of the item's latest completion (batches.flags), sorted.
+        "flags": item.flags,
     }
 
 
@@ -345,19 +348,22 @@ def batch_detail(
 def batch_items(
     request: HttpRequest, user, *, now: datetime, batch_id: int
 ) -> HttpResponse:
-    _only(request, "state", "cursor", "limit")
+    _only(request, "state", "flag", "cursor", "limit")
     batch = _batch(batch_id)
     state = _choice(request, "state", tuple(ItemStatus.values))
+    flag = _choice(request, "flag", FLAGS)
     cursor, limit = _cursor(request), _limit(request)
     # The page's items first, alone (an ordered walk of the (batch, id) index
     # whatever the planner thinks of a just-loaded batch), then their jobs.
     rows = (
         BatchItem.objects.filter(batch=batch)
-        .only("id", "source", "params", "status")
+        .only("id", "source", "params", "status", *FLAG_COLUMNS.values())
         .order_by("pk")
     )
     if state:
         rows = rows.filter(status=state)
+    if flag:  # through the flag's partial index on (batch, id)
+        rows = rows.filter(**{FLAG_COLUMNS[flag]: True})
     if cursor is not None:
         rows = rows.filter(pk__gt=cursor)
     page = list(rows[: limit + 1])

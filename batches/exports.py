@@ -15,6 +15,7 @@ from typing import TypeGuard
 
 from django.db.models.fields.json import KeyTextTransform
 
+from .flags import FLAG_COLUMNS
 from .models import Batch, BatchItem, ItemStatus
 from .numbers import is_number
 from .zipstream import stream_zip
@@ -22,7 +23,7 @@ from .zipstream import stream_zip
 CHUNK = 2_000
 # The worker API's bound on segment times (api.worker_views): about 115 days.
 MAX_SEGMENT_SECONDS = 10_000_000
-EXPORT_FIELDS = ("item", "source", "state", "attempts", "text", "error")
+EXPORT_FIELDS = ("item", "source", "state", "attempts", "text", "error", "flags")
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,12 @@ class Row:
     attempts: int
     text: str
     error: str
+    flags: list[str]
 
 
 def export_rows(batch: Batch) -> Iterator[Row]:
-    """One row per item, in item order; ``text`` is the transcript ("" if none)."""
+    """One row per item, in item order; ``text`` is the transcript ("" if none),
+    ``flags`` its quality flags (``batches.flags``), sorted."""
     last = 0
     while True:
         chunk = list(
@@ -44,11 +47,18 @@ def export_rows(batch: Batch) -> Iterator[Row]:
             .order_by("pk")
             .annotate(text=KeyTextTransform("text", "job__result"))
             .values_list(
-                "pk", "source", "status", "job__attempts", "text", "job__last_error"
+                "pk",
+                "source",
+                "status",
+                "job__attempts",
+                "text",
+                "job__last_error",
+                *FLAG_COLUMNS.values(),
             )[:CHUNK]
         )
-        for pk, source, status, attempts, text, error in chunk:
-            yield Row(pk, source, status, attempts or 0, text or "", error or "")
+        for pk, source, status, attempts, text, error, *flagged in chunk:
+            flags = sorted(f for f, on in zip(FLAG_COLUMNS, flagged, strict=True) if on)
+            yield Row(pk, source, status, attempts or 0, text or "", error or "", flags)
         if len(chunk) < CHUNK:
             return
         last = chunk[-1][0]
@@ -92,7 +102,15 @@ def csv_lines(batch: Batch) -> Iterator[str]:
     yield write(EXPORT_FIELDS)
     for row in export_rows(batch):
         yield write(
-            (row.item, row.source, row.state, row.attempts, row.text, row.error)
+            (
+                row.item,
+                row.source,
+                row.state,
+                row.attempts,
+                row.text,
+                row.error,
+                " ".join(row.flags),  # space-separated names, "" when none
+            )
         )
 
 
@@ -107,6 +125,7 @@ def jsonl_lines(batch: Batch) -> Iterator[str]:
                     "attempts": row.attempts,
                     "text": row.text,
                     "error": row.error,
+                    "flags": row.flags,
                 },
                 ensure_ascii=False,
             )

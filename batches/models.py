@@ -15,6 +15,7 @@ from django.db.models import F, Q, Sum
 from django.urls import reverse
 from django.utils import timezone
 
+from .flags import FLAG_COLUMNS, flag_names
 from .json_limits import StoredJSONDecoder
 
 # Fair share (stride scheduling): each claim that a batch wins over another open
@@ -42,6 +43,8 @@ class ItemStatus(models.TextChoices):
 TERMINAL_ITEM_STATUSES = (ItemStatus.DONE, ItemStatus.FAILED, ItemStatus.CANCELLED)
 # The counter columns: an item count and a duration sum (ms) per status.
 COUNTER_COLUMNS = (*ItemStatus.values, *(f"{s}_ms" for s in ItemStatus.values))
+# The counters of done items per quality flag (batches.flags), kept beside them.
+FLAG_COUNTER_COLUMNS = tuple(FLAG_COLUMNS.values())
 
 
 class BatchQuerySet(models.QuerySet):
@@ -175,6 +178,11 @@ class Batch(models.Model):
         return BatchCounter.objects.filter(batch=self).totals()
 
 
+def flag_counts(totals: dict[str, int]) -> dict[str, int]:
+    """``{"empty": N, "short": N, "language_mismatch": N}`` from counter totals."""
+    return {flag: totals.get(column, 0) for flag, column in FLAG_COLUMNS.items()}
+
+
 class BatchItem(models.Model):
     batch = models.ForeignKey(
         Batch, on_delete=models.CASCADE, related_name="items", db_index=False
@@ -188,10 +196,24 @@ class BatchItem(models.Model):
     )
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
+    # Quality flags (batches.flags) of the item's latest completion, written by
+    # the complete transition; all False while the item is not done.
+    flag_empty = models.BooleanField(default=False, db_default=False)
+    flag_short = models.BooleanField(default=False, db_default=False)
+    flag_language_mismatch = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         indexes = [
             models.Index(fields=["batch", "id"], name="item_batch_id"),
+            # A batch's items with one flag, in id order (?flag=): few, so small.
+            *(
+                models.Index(
+                    fields=["batch", "id"],
+                    name=f"item_{column}",
+                    condition=Q(**{column: True}),
+                )
+                for column in FLAG_COLUMNS.values()
+            ),
             models.Index(fields=["batch", "status", "id"], name="item_batch_status"),
             # "No item is transcribing without a live lease" is checked every sweep.
             models.Index(
@@ -210,15 +232,22 @@ class BatchItem(models.Model):
         return self.source
 
     @property
+    def flags(self) -> list[str]:
+        """Sorted names of the item's quality flags ([] when none)."""
+        return flag_names(self)
+
+    @property
     def duration_seconds(self) -> float | None:
         return None if self.duration_ms is None else self.duration_ms / 1000
 
 
 class BatchCounterQuerySet(models.QuerySet):
     def totals(self) -> dict[str, int]:
-        """Sum the shards: item counts per status, plus ``<status>_ms`` durations."""
-        sums = self.aggregate(**{c: Sum(c) for c in COUNTER_COLUMNS})
-        return {c: sums[c] or 0 for c in COUNTER_COLUMNS}
+        """Sum the shards: item counts per status, plus ``<status>_ms`` durations,
+        plus the ``flag_<flag>`` counts of flagged items."""
+        columns = (*COUNTER_COLUMNS, *FLAG_COUNTER_COLUMNS)
+        sums = self.aggregate(**{c: Sum(c) for c in columns})
+        return {c: sums[c] or 0 for c in columns}
 
 
 class BatchCounter(models.Model):
@@ -240,6 +269,10 @@ class BatchCounter(models.Model):
     done_ms = models.BigIntegerField(default=0)
     failed_ms = models.BigIntegerField(default=0)
     cancelled_ms = models.BigIntegerField(default=0)
+    # Items in this shard with each quality flag (batches.flags).
+    flag_empty = models.IntegerField(default=0, db_default=0)
+    flag_short = models.IntegerField(default=0, db_default=0)
+    flag_language_mismatch = models.IntegerField(default=0, db_default=0)
 
     objects = BatchCounterQuerySet.as_manager()
 

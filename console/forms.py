@@ -11,6 +11,7 @@ from django import forms
 from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 
+from batches.flags import FLAGS
 from batches.labels import MAX_LABELS, LabelError, format_pairs, parse_pairs
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from engine.manifests import MAX_NAME_CHARS
@@ -148,9 +149,14 @@ class NewBatchForm(ShareFields):
 
 
 class ItemFilterForm(forms.Form):
-    """The items table's filter: a state and a search in the source."""
+    """The items table's filter: a state, a quality flag and a search in the
+    source."""
 
     state = forms.ChoiceField(required=False)
+    flag = forms.ChoiceField(
+        required=False,
+        choices=[("", "any or none"), *((f, f.replace("_", " ")) for f in FLAGS)],
+    )
     q = forms.CharField(required=False, max_length=200, strip=True)
 
     def __init__(self, *args, **kwargs):

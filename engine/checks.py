@@ -7,8 +7,10 @@ scenario. Each check is one set-based query, so it stays usable on big tables.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.db.models import Count, Exists, F, Max, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
@@ -16,6 +18,7 @@ from django.db.models.functions import Coalesce
 from batches.models import (
     COUNTER_COLUMNS,
     COUNTER_SHARDS,
+    FLAG_COUNTER_COLUMNS,
     Batch,
     BatchCounter,
     BatchItem,
@@ -63,6 +66,7 @@ def find_violations(
         _one_completion_per_completed_job,
         _attempts_within_limits,
         _counters_match_items,
+        _flags_only_on_done_items,
         _finished_batches_are_finished,
         _one_event_per_finish,
     ]
@@ -194,25 +198,33 @@ def _attempts_within_limits(now: datetime) -> list[Violation]:
 
 def _counters_match_items(now: datetime) -> list[Violation]:
     counted: dict = defaultdict(lambda: defaultdict(int))
-    for row in (
+    rows: Iterable[Any] = (
         BatchItem.objects.values("batch_id", "status")
-        .annotate(n=Count("pk"), ms=Coalesce(Sum("duration_ms"), 0))
+        .annotate(
+            n=Count("pk"),
+            ms=Coalesce(Sum("duration_ms"), 0),
+            **{c: Count("pk", filter=Q(**{c: True})) for c in FLAG_COUNTER_COLUMNS},
+        )
         .order_by()
-    ):
+    )
+    for row in rows:
         counted[row["batch_id"]][row["status"]] += row["n"]
         counted[row["batch_id"]][f"{row['status']}_ms"] += row["ms"]
+        for column in FLAG_COUNTER_COLUMNS:
+            counted[row["batch_id"]][column] += row[column]
+    columns = (*COUNTER_COLUMNS, *FLAG_COUNTER_COLUMNS)
     kept: dict = defaultdict(lambda: defaultdict(int))
     shards: dict = defaultdict(int)
-    for row in BatchCounter.objects.values("batch_id", *COUNTER_COLUMNS):
+    for row in BatchCounter.objects.values("batch_id", *columns):
         shards[row["batch_id"]] += 1
-        for column in COUNTER_COLUMNS:
+        for column in columns:
             kept[row["batch_id"]][column] += row[column]
     found = []
     totals = dict(Batch.objects.values_list("pk", "total"))
     for batch_id, total in totals.items():
         wrong = {
             c: (kept[batch_id][c], counted[batch_id][c])
-            for c in COUNTER_COLUMNS
+            for c in columns
             if kept[batch_id][c] != counted[batch_id][c]
         }
         if wrong:
@@ -242,6 +254,24 @@ def _counters_match_items(now: datetime) -> list[Violation]:
                 )
             )
     return found
+
+
+def _flags_only_on_done_items(now: datetime) -> list[Violation]:
+    """Quality flags belong to a completion: an item that is not done has none."""
+    flagged = Q()
+    for column in FLAG_COUNTER_COLUMNS:
+        flagged |= Q(**{column: True})
+    rows = list(
+        BatchItem.objects.filter(flagged)
+        .exclude(status=ItemStatus.DONE)
+        .order_by("pk")
+        .values_list("pk", "status")[:SAMPLE]
+    )
+    return _sample(
+        "flags-only-on-done",
+        rows,
+        lambda r: f"item {r[0]} is {r[1]} but has quality flags",
+    )
 
 
 def _finished_batches_are_finished(now: datetime) -> list[Violation]:

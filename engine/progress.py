@@ -30,8 +30,16 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
+from batches.flags import FLAGS
 from batches.labels import format_pairs
-from batches.models import Batch, BatchCounter, BatchMinute, ItemStatus
+from batches.models import (
+    FLAG_COUNTER_COLUMNS,
+    Batch,
+    BatchCounter,
+    BatchMinute,
+    ItemStatus,
+    flag_counts,
+)
 from engine.waiting import Offers, seen_recently
 from jobs.models import Job, JobStatus
 from jobs.transitions.rules import silent_after
@@ -310,6 +318,16 @@ class Progress:
             return ""
         return waiting_text(self.unoffered, self.seen_within)
 
+    # Done items per quality flag (batches.flags), from the counters.
+    flags: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def flag_rows(self) -> list[tuple[str, str, int]]:
+        """(flag, label, count) for the page, in FLAGS order."""
+        return [
+            (flag, flag.replace("_", " "), self.flags.get(flag, 0)) for flag in FLAGS
+        ]
+
     @property
     def eta_text(self) -> str:
         """The ETA as shown: none once nothing is left to do, nor while the
@@ -359,6 +377,7 @@ class Progress:
             # Added by routing (issue 26).
             "requires": requires_of(self.batch),
             "waiting_for_worker": self.waiting_for_worker,
+            "flags": {flag: self.flags.get(flag, 0) for flag in FLAGS},
         }
 
 
@@ -400,6 +419,7 @@ def progress_for_many(
         *ItemStatus.values,
         f"{ItemStatus.QUEUED}_ms",
         f"{ItemStatus.TRANSCRIBING}_ms",
+        *FLAG_COUNTER_COLUMNS,
     ]
     for batch_id, *sums in (
         BatchCounter.objects.filter(batch_id__in=ids)
@@ -498,6 +518,7 @@ def progress_for_many(
             batch=batch,
             now=now,
             counts={s: c[s] for s in ItemStatus.values},
+            flags=flag_counts(c),
             state=state,
             total=batch.total,
             percent_done=percent(c[ItemStatus.DONE], batch.total),

@@ -308,6 +308,9 @@ RECALL_RETRY_BACKOFF_SECONDS = env.int("RECALL_RETRY_BACKOFF_SECONDS", default=3
 RECALL_RETRY_BACKOFF_MAX_SECONDS = env.int(
     "RECALL_RETRY_BACKOFF_MAX_SECONDS", default=3600
 )
+# Quality flags: a completed transcript of audio at least 30 s long (known
+# duration) with fewer words per minute than this is flagged "short" (batches/flags.py).
+RECALL_MIN_WORDS_PER_MINUTE = env.int("RECALL_MIN_WORDS_PER_MINUTE", default=20)
 # Live leases one worker (one token) may hold: a claim beyond it answers 429, so a
 # leaked token cannot drain the queue into leases that then expire.
 RECALL_MAX_LEASES_PER_WORKER = env.int("RECALL_MAX_LEASES_PER_WORKER", default=32)
@@ -455,6 +458,8 @@ for _name in (
         raise ImproperlyConfigured(f"{_name} must be at least 1.")
 if RECALL_RETRY_BACKOFF_SECONDS < 0:
     raise ImproperlyConfigured("RECALL_RETRY_BACKOFF_SECONDS must not be negative.")
+if RECALL_MIN_WORDS_PER_MINUTE < 0:
+    raise ImproperlyConfigured("RECALL_MIN_WORDS_PER_MINUTE must not be negative.")
 if RECALL_MAX_WAITING_CLAIMS_PER_WORKER < 0:
     raise ImproperlyConfigured(
         "RECALL_MAX_WAITING_CLAIMS_PER_WORKER must not be negative."

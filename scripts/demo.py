@@ -105,17 +105,28 @@ def fresh_database() -> None:
         log.unlink()
 
 
+# A few items of every manifest whose transcripts come out wrong, so the quality
+# flags have something to show: the simulated engine hears nothing (empty), one
+# sentence of a long recording (short), or English where German was asked for
+# (language_mismatch). {item number: (language, params.simulate, min seconds)}.
+FLAGGED = {3: ("en", "silence", 0), 8: ("en", "mumble", 90), 13: ("de", "", 0)}
+
+
 def manifest(path: Path, prefix: str, n: int, seed: int, median: float) -> float:
-    """A CSV manifest of ``n`` items with realistic durations; returns hours."""
+    """A CSV manifest of ``n`` items with realistic durations (a few of them
+    flagged when done: FLAGGED); returns hours."""
     rng = random.Random(seed)
     total = 0.0
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(["source", "duration_seconds", "language"])
+        out.writerow(["source", "duration_seconds", "language", "simulate"])
         for i in range(1, n + 1):
             seconds = round(min(3600, max(20, rng.lognormvariate(0, 0.8) * median)), 1)
+            language, quirk, at_least = FLAGGED.get(i, ("en", "", 0))
+            seconds = max(seconds, at_least)
             total += seconds
-            out.writerow([f"s3://demo-audio/{prefix}-{i:04d}.wav", seconds, "en"])
+            source = f"s3://demo-audio/{prefix}-{i:04d}.wav"
+            out.writerow([source, seconds, language, quirk])
     return total / 3600
 
 

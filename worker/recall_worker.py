@@ -1128,13 +1128,22 @@ SIM_SENTENCES = (
 )
 
 
-def simulated_transcript(item_id: int | None, duration: float) -> dict:
+def simulated_transcript(
+    item_id: int | None, duration: float, quirk: object = None
+) -> dict:
     """A plausible transcript with timed segments covering ``duration`` seconds.
 
-    Seeded by the item, so a retried item gets the same words.
+    Seeded by the item, so a retried item gets the same words. The item's
+    ``params.simulate`` may ask for a transcript that comes out wrong (demos of
+    the quality flags): ``silence`` (no words) or ``mumble`` (one sentence,
+    however long the audio).
     """
     rng = random.Random(item_id)
     segments, t = [], 0.0
+    if quirk == "silence":
+        duration = 0.0
+    elif quirk == "mumble":
+        duration = min(duration, 3.0)
     while t < duration:
         length = min(rng.uniform(2.5, 7.0), duration - t)
         text = rng.choice(SIM_SENTENCES)
@@ -1174,7 +1183,8 @@ class SimulateEngine(Engine):
             )
         if cancel.wait(work):
             return Aborted(cancel.reason)
-        return Success(simulated_transcript(job.item_id, duration))
+        quirk = job.params.get("simulate")
+        return Success(simulated_transcript(job.item_id, duration, quirk))
 
 
 # --- The worker -------------------------------------------------------------------

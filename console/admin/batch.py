@@ -32,6 +32,7 @@ from django.urls import path
 from django.utils.html import format_html
 from django.utils.text import Truncator
 
+from batches.flags import FLAG_COLUMNS
 from batches.models import Batch, BatchItem
 from console.admin.support import (
     BatchFilter,
@@ -341,8 +342,13 @@ class BatchItemAdmin(BigTableAdmin):
         "batch_column",
         "job_column",
         "duration_column",
+        "flags_column",
     )
-    list_filter = ("status", BatchFilter)
+    list_filter = (
+        "status",
+        BatchFilter,
+        *FLAG_COLUMNS.values(),  # quality flags (batches.flags)
+    )
     list_select_related = ("batch", "job")
     search_fields = ("source",)
     search_help_text = "An item id, or part of its source (case matters)."
@@ -353,6 +359,7 @@ class BatchItemAdmin(BigTableAdmin):
         "job_column",
         "params",
         "duration_column",
+        "flags_column",
         "created_at",
         "updated_at",
     )
@@ -392,3 +399,7 @@ class BatchItemAdmin(BigTableAdmin):
     def duration_column(self, item: BatchItem) -> str:
         seconds = item.duration_seconds
         return "-" if seconds is None else f"{seconds:g} s"
+
+    @admin.display(description="flags")
+    def flags_column(self, item: BatchItem) -> str:
+        return ", ".join(item.flags) or "-"

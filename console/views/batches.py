@@ -34,6 +34,7 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt, csrf_protect
 from django.views.decorators.http import require_GET, require_POST
 
+from batches.flags import FLAG_COLUMNS
 from batches.intake_records import Intake, IntakeStatus
 from batches.models import Batch, BatchItem, ItemStatus
 from batches.numbers import MAX_ID, whole_number
@@ -46,6 +47,7 @@ from engine.background_intake import stale_after, start_intake
 from engine.manifests import LineError, ManifestInvalid, create_batch
 from engine.progress import (
     BatchState,
+    Progress,
     chart_geometry,
     format_duration,
     in_state,
@@ -119,7 +121,7 @@ def batch_list_live(request: HttpRequest) -> HttpResponse:
 # --- Batch detail --------------------------------------------------------------------
 
 
-def _items(batch: Batch, form: ItemFilterForm, counts: dict[str, int]):
+def _items(batch: Batch, form: ItemFilterForm, progress: Progress):
     """The batch's items the filter selects, in the order of the index that
     serves them, and how many there are when the counters know it.
 
@@ -132,18 +134,37 @@ def _items(batch: Batch, form: ItemFilterForm, counts: dict[str, int]):
     items = (
         BatchItem.objects.filter(batch_id__gte=batch.pk, batch_id__lte=batch.pk)
         .select_related("job")
-        .only("id", "source", "status", "updated_at", "job__id", "job__attempts")
+        .only(
+            "id",
+            "source",
+            "status",
+            "updated_at",
+            "job__id",
+            "job__attempts",
+            *FLAG_COLUMNS.values(),
+        )
     )
+    counts = progress.counts
     state = form.cleaned_data.get("state") if form.is_valid() else ""
+    flag = form.cleaned_data.get("flag") if form.is_valid() else ""
     q = form.cleaned_data.get("q") if form.is_valid() else ""
     order: tuple[str, ...] = ("batch_id", "pk")
-    if state:
+    if flag:
+        # The flag's partial index on (batch, id) serves it; only done items
+        # have flags, so a state filter beside it is a plain condition.
+        items = items.filter(**{FLAG_COLUMNS[flag]: True})
+        if state:
+            items = items.filter(status=state)
+    elif state:
         items = items.filter(status__gte=state, status__lte=state)
         order = ("batch_id", "status", "pk")
     if q:
         items = items.filter(source__icontains=q)
         return items, order, None
     # Without a search, the counters already know how many rows match.
+    if flag:
+        known = state in ("", ItemStatus.DONE)
+        return items, order, progress.flags[flag] if known else 0
     return items, order, counts[state] if state else sum(counts.values())
 
 
@@ -239,7 +260,7 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
     now = transitions.now()
     progress = progress_for(batch, now=now, chart=chart)
     form = ItemFilterForm(request.GET)
-    items, order, count = _items(batch, form, progress.counts)
+    items, order, count = _items(batch, form, progress)
     page = _items_page(items, order, request, count)
     user = request.user
     webhooks = _webhooks(batch) if chart else None
@@ -254,7 +275,12 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
         "form": form,
         "page": page,
         "filtered": bool(
-            form.is_valid() and (form.cleaned_data["q"] or form.cleaned_data["state"])
+            form.is_valid()
+            and (
+                form.cleaned_data["q"]
+                or form.cleaned_data["state"]
+                or form.cleaned_data["flag"]
+            )
         ),
         # A text search scans the batch's sources: it is not re-run every few seconds.
         "searching": bool(form.is_valid() and form.cleaned_data["q"]),

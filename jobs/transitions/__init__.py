@@ -314,7 +314,11 @@ def complete(
 ) -> None:
     """leased -> completed, with the result. Replaying the call with the token
     that completed it succeeds again and changes nothing (the worker may have
-    lost the response). LeaseLost if the lease is not live."""
+    lost the response). LeaseLost if the lease is not live.
+
+    The item's quality flags (``batches.flags``) are decided by the backend
+    from the result and the item's duration and requested language, and
+    written with the completion."""
     done = backend().complete(
         _pk(job), lease_token, worker=worker, result=result, now=now
     )

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import datetime
+from functools import reduce
+from operator import or_
 
 from django.db import transaction
-from django.db.models import Count, F, Sum
+from django.db.models import Count, F, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce
 
 from batches.models import (
     COUNTER_COLUMNS,
     COUNTER_SHARDS,
+    FLAG_COUNTER_COLUMNS,
     Batch,
     BatchCounter,
     BatchItem,
@@ -147,6 +150,21 @@ def reopen_batch_of(job_id: int, *, now: datetime) -> bool:
     return True
 
 
+def flagged_per_shard(batch_id: int) -> QuerySet:
+    """Per counter shard of the batch, its items with each quality flag (only
+    the shards that have flagged items; each flag through its partial index)."""
+    return (
+        BatchItem.objects.filter(batch_id=batch_id)
+        .filter(reduce(or_, (Q(**{c: True}) for c in FLAG_COUNTER_COLUMNS)))
+        .annotate(shard=F("id") % COUNTER_SHARDS)
+        .values("shard")
+        .annotate(
+            **{c: Count("id", filter=Q(**{c: True})) for c in FLAG_COUNTER_COLUMNS}
+        )
+        .order_by()
+    )
+
+
 def recount(
     batch_id: int, *, now: datetime, requested_at: datetime | None = None
 ) -> bool:
@@ -176,9 +194,14 @@ def recount(
         for row in counted:
             actual[row["shard"]][row["status"]] += row["n"]
             actual[row["shard"]][f"{row['status']}_ms"] += row["ms"]
+        for row in flagged_per_shard(batch_id):
+            for column in FLAG_COUNTER_COLUMNS:
+                actual[row["shard"]][column] += row[column]
         changed = False
         for shard in range(COUNTER_SHARDS):
-            want = {c: actual[shard][c] for c in COUNTER_COLUMNS}
+            want = {
+                c: actual[shard][c] for c in (*COUNTER_COLUMNS, *FLAG_COUNTER_COLUMNS)
+            }
             kept = rows.get(shard)
             if kept is None:
                 BatchCounter.objects.create(batch_id=batch_id, shard=shard, **want)

@@ -25,6 +25,7 @@ from django.db import connection
 from django.db.models import F, Min, OuterRef, Subquery, Value
 from django.db.models.functions import Coalesce, Greatest
 
+from batches.flags import FLAG_COLUMNS, columns_for
 from batches.models import (
     COUNTER_SHARDS,
     TERMINAL_ITEM_STATUSES,
@@ -60,13 +61,20 @@ class InvalidMove(ValueError):
 
 @dataclass(frozen=True)
 class ItemMove:
-    """One item changing status; the counters shift by one item and its duration."""
+    """One item changing status; the counters shift by one item and its duration,
+    and by its quality flags (``batches.flags``) where they change."""
 
     item_id: int
     batch_id: int
     old: str
     new: str
     ms: int = 0
+    old_flags: tuple[str, ...] = ()
+    new_flags: tuple[str, ...] = ()
+
+    @property
+    def changes(self) -> bool:
+        return self.old != self.new or self.old_flags != self.new_flags
 
 
 # --- Jobs, their items and ledger rows -------------------------------------------
@@ -80,13 +88,15 @@ def move_jobs(
     lease_end: str | None = None,
     error: str = "",
     refund_attempt: bool = False,
+    flags: Sequence[str] | None = None,
     **fields: Any,
 ) -> None:
     """Move locked ``jobs`` (all in the same status) to status ``to``.
 
     Writes the jobs, closes their ledger rows (if they were leased, with reason
     ``lease_end``), and moves their items, the counters and the throughput
-    buckets. ``fields`` are further job fields to set. Updates the instances.
+    buckets. ``flags``: a completion's quality flags, for its items. ``fields``
+    are further job fields to set. Updates the instances.
     """
     if not jobs:
         return
@@ -114,16 +124,25 @@ def move_jobs(
             setattr(job, name, value)
         if refund_attempt:
             job.attempts -= 1
-    move_items(jobs, was=was, to=to, now=now)
+    move_items(jobs, was=was, to=to, now=now, flags=flags)
     if to == JobStatus.FAILED:
         outbox.items_failed(jobs, now=now)
 
 
-def move_items(jobs: Sequence[Job], *, was: str, to: str, now: datetime) -> None:
+def move_items(
+    jobs: Sequence[Job],
+    *,
+    was: str,
+    to: str,
+    now: datetime,
+    flags: Sequence[str] | None = None,
+) -> None:
     """Bring the items of ``jobs`` to the status that agrees with ``to``.
 
     ``was`` is the jobs' status before this transition; an item that did not
     agree with it had drifted: the repair is logged and the batch recounted.
+    Only done items have quality flags: ``flags`` when given (a completion's),
+    else those they had; an item that is not done has none.
     """
     expected, new = item_status_for(was), item_status_for(to)
     moves, drifted = [], set()
@@ -137,10 +156,25 @@ def move_items(jobs: Sequence[Job], *, was: str, to: str, now: datetime) -> None
                 at=now,
             )
             drifted.add(job.batch_id)
+        had = tuple(item.flags)
+        if new != ItemStatus.DONE:
+            kept: tuple[str, ...] = ()
+        else:
+            kept = had if flags is None else tuple(sorted(flags))
         moves.append(
-            ItemMove(item.pk, job.batch_id, item.status, new, item.duration_ms or 0)
+            ItemMove(
+                item.pk,
+                job.batch_id,
+                item.status,
+                new,
+                item.duration_ms or 0,
+                old_flags=had,
+                new_flags=kept,
+            )
         )
         item.status = new
+        for column, value in columns_for(kept).items():
+            setattr(item, column, value)
     apply_item_moves(moves, now=now)
     if drifted:
         # Whatever changed the item may have bypassed the counters too.
@@ -148,15 +182,20 @@ def move_items(jobs: Sequence[Job], *, was: str, to: str, now: datetime) -> None
 
 
 def apply_item_moves(moves: Iterable[ItemMove], *, now: datetime) -> None:
-    """Write the items' new statuses, shift the counters and count the finishes."""
-    moves = [m for m in moves if m.old != m.new]
-    by_new: dict[str, list[int]] = defaultdict(list)
+    """Write the items' new statuses (and flags), shift the counters and count
+    the finishes."""
+    moves = [m for m in moves if m.changes]
+    by_new: dict[tuple[str, tuple[str, ...] | None], list[int]] = defaultdict(list)
     for move in moves:
-        by_new[move.new].append(move.item_id)
-    for status, ids in by_new.items():
-        BatchItem.objects.filter(pk__in=ids).update(status=status, updated_at=now)
+        flags = move.new_flags if move.new_flags != move.old_flags else None
+        by_new[(move.new, flags)].append(move.item_id)
+    for (status, flags), ids in by_new.items():
+        more = {} if flags is None else columns_for(flags)
+        BatchItem.objects.filter(pk__in=ids).update(
+            status=status, updated_at=now, **more
+        )
     shift_counters(moves)
-    record_finished(moves, now=now)
+    record_finished([m for m in moves if m.old != m.new], now=now)
     # An item entering a final status may have finished its batch: checked at
     # the end of the transition (outbox.finishing).
     outbox.may_finish(
@@ -181,6 +220,10 @@ def shift_counters(moves: Iterable[ItemMove]) -> None:
         delta[m.new] += 1
         delta[f"{m.old}_ms"] -= m.ms
         delta[f"{m.new}_ms"] += m.ms
+        for flag in m.old_flags:
+            delta[FLAG_COLUMNS[flag]] -= 1
+        for flag in m.new_flags:
+            delta[FLAG_COLUMNS[flag]] += 1
     for (batch_id, shard), delta in sorted(deltas.items()):
         changes = {column: F(column) + d for column, d in delta.items() if d}
         if changes:

@@ -74,7 +74,15 @@ def _export(batch, fmt: str) -> bytes:
 def test_csv_export_neutralises_every_cell(hostile):
     rows = list(csv.reader(io.StringIO(_export(hostile, "csv").decode())))
 
-    assert rows[0] == ["item", "source", "state", "attempts", "text", "error"]
+    assert rows[0] == [
+        "item",
+        "source",
+        "state",
+        "attempts",
+        "text",
+        "error",
+        "flags",
+    ]
     body = rows[1:]
     assert [row[1] for row in body] == ["'" + v for v in HOSTILE * 2]
     assert [row[4] for row in body[: len(HOSTILE)]] == ["'" + v for v in HOSTILE]

@@ -246,6 +246,8 @@ def test_progress_counts_rate_and_eta_by_items(worker):
         # Added by routing (issue 26).
         "requires": {},
         "waiting_for_worker": False,
+        # Added by quality flags (issue 29).
+        "flags": {"empty": 0, "short": 0, "language_mismatch": 0},
     }
 
 

@@ -110,10 +110,18 @@ def build() -> World:
         now=T0,
     )
     for n, (items, priority, timed) in enumerate(BATCHES):
-        durations = [1.5 * (i + 1) for i in range(items)] if timed else None
+        # 15 s steps: the 30 s boundary of the "short" flag is among them; and
+        # languages asked for, so a completion's language may differ.
+        durations = [15.0 * (i + 1) for i in range(items)] if timed else None
+        languages = [("en", "de", "")[i % 3] for i in range(items)] if timed else None
         world.batches.append(
             make_batch(
-                items, name=f"b{n}", priority=priority, durations=durations, now=T0
+                items,
+                name=f"b{n}",
+                priority=priority,
+                durations=durations,
+                languages=languages,
+                now=T0,
             )
         )
     return world
@@ -209,12 +217,16 @@ def _heartbeat_many(
     )
 
 
-def _complete(world: World, k: int, text: str = "t") -> Any:
+def _complete(
+    world: World, k: int, text: str = "t", language: str | None = None
+) -> Any:
     job_id, worker, token = _lease(world, k)
-    result = {
+    result: dict[str, Any] = {
         "text": text,
         "segments": [{"start": 0.0, "end": 1.5, "text": text}],
     }
+    if language is not None:
+        result["language"] = language
     return transitions.complete(
         job_id, token, worker=worker, result=result, now=world.now
     )

@@ -159,3 +159,22 @@ def test_complete_writes_the_missing_ledger_row_of_its_lease(worker, batch):
     assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
     assert batch.counts()["done"] == 1
     assert_consistent(later(5))
+
+
+def test_the_completed_job_handed_back_has_its_own_fields(worker, batch):
+    # The PostgreSQL backend builds it from the statement's answer, not a read:
+    # each value must land in its own field (the log line reads the attempt).
+    job = claim(worker)
+
+    done = transitions.backend().complete(
+        job.pk, job.lease_token, worker=worker, result=RESULT, flags=(), now=later(5)
+    )
+
+    assert done is not None
+    assert (done.pk, done.status, done.attempts, done.batch_id) == (
+        job.pk,
+        JobStatus.COMPLETED,
+        1,
+        batch.pk,
+    )
+    assert (done.finished_at, done.updated_at) == (later(5), later(5))

@@ -34,6 +34,18 @@ CASES = {
         ("claim", 1),
         ("complete", 1),
     ],
+    "quality flags: empty, short, language mismatch, then a recount": [
+        # b1 (priority 5) is claimed first, then b0 (timed, languages) and b2.
+        *(("claim", n % 3) for n in range(9)),
+        ("complete", 0, ""),
+        ("complete", 1, "one two three", "fr"),
+        ("complete", 3, "t", "de"),
+        ("complete", 4, "", "en"),
+        ("complete", 5, " ".join(["w"] * 30), "DE"),
+        ("complete", 6, "t"),
+        ("complete", 8, "", "fr"),
+        ("reconcile",),
+    ],
     "stale token after reclaim is fenced": [
         ("claim", 0),
         ("tick", 61),
@@ -357,9 +369,13 @@ class BackendsAgree(RuleBasedStateMachine):
     def heartbeat_many(self, ks, stranger, unknown):
         self._do("heartbeat_many", ks, stranger, unknown)
 
-    @rule(k=st.integers(0, 50))
-    def complete(self, k):
-        self._do("complete", k)
+    @rule(
+        k=st.integers(0, 50),
+        text=st.sampled_from(["t", "", "a b c"]),
+        language=st.none() | st.sampled_from(["en", "de"]),
+    )
+    def complete(self, k, text, language):
+        self._do("complete", k, text, language)
 
     @rule(k=st.integers(0, 50), retryable=st.booleans())
     def fail(self, k, retryable):

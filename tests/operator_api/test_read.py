@@ -146,6 +146,7 @@ def test_items_with_their_state_attempts_error_and_result(viewer_api):
             "attempts": 1,
             "error": None,
             "result": {"text": "hi", "language": "en"},
+            "flags": [],
         },
         {
             "id": failed.item_id,
@@ -155,6 +156,7 @@ def test_items_with_their_state_attempts_error_and_result(viewer_api):
             "attempts": 1,
             "error": "bad audio",
             "result": None,
+            "flags": [],
         },
         {
             "id": items[2]["id"],
@@ -164,6 +166,7 @@ def test_items_with_their_state_attempts_error_and_result(viewer_api):
             "attempts": 0,
             "error": None,
             "result": None,
+            "flags": [],
         },
     ]
     only_done = viewer_api.get(f"/api/v1/batches/{batch.pk}/items", state="done").json()

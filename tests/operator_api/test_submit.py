@@ -74,6 +74,8 @@ def test_a_submission_creates_the_batch_and_answers_its_progress(
         # requires nothing waits for one.
         "requires": {},
         "waiting_for_worker": True,
+        # Added by quality flags (issue 29).
+        "flags": {"empty": 0, "short": 0, "language_mismatch": 0},
     }
     assert (batch.priority, batch.weight, batch.max_in_flight) == (3, 2, 4)
     assert batch.created_by == operator

@@ -35,15 +35,28 @@ def make_batch(
     n: int = 3,
     *,
     name: str = "batch",
-    durations: list[float] | None = None,
+    durations: list[float | None] | None = None,
     priority: int = 0,
+    languages: list[str | None] | None = None,
     now: datetime = T0,
 ) -> Batch:
-    if durations is None:
+    """``n`` items; ``durations`` (seconds) and ``languages`` (each item's
+    ``params.language``, "" for none) give one value per item when set."""
+    if durations is None and languages is None:
         lines = [f"file:///audio/{name}-{i}.wav\n" for i in range(n)]
     else:
-        lines = ["source,duration_seconds\n"] + [
-            f"file:///audio/{name}-{i}.wav,{d}\n" for i, d in enumerate(durations)
+        n = len(durations if durations is not None else languages or [])
+        columns = [("duration_seconds", durations), ("language", languages)]
+        given = [(c, v) for c, v in columns if v is not None]
+        lines = [",".join(["source", *(c for c, _ in given)]) + "\n"] + [
+            ",".join(
+                [
+                    f"file:///audio/{name}-{i}.wav",
+                    *("" if v[i] is None else str(v[i]) for _, v in given),
+                ]
+            )
+            + "\n"
+            for i in range(n)
         ]
     return create_batch(name, lambda: iter(lines), priority=priority, now=now)
 

@@ -191,6 +191,8 @@ def test_progress_json(viewer_client, worker):
         # Added by routing (issue 26).
         "requires",
         "waiting_for_worker",
+        # Added by quality flags (issue 29).
+        "flags",
     }
     assert (body["batch"], body["state"], body["total"], body["percent_done"]) == (
         batch.pk,

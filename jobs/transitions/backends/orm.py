@@ -34,6 +34,7 @@ from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet, Subquery, 
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from batches.flags import flags_for
 from batches.labels import Labels, satisfies
 from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
@@ -419,7 +420,9 @@ class OrmBackend:
         now: datetime | None,
     ) -> Job | None:
         """The completed job, or None when this completion was already made
-        with this token (a replay: the worker lost the first response)."""
+        with this token (a replay: the worker lost the first response). The
+        item's quality flags are decided from the result and the locked item
+        (``batches.flags``) and stored with the completion."""
         now = self._resolve(now)
         with finishing(now):
             job = self._lock_lease(job_id, lease_token, worker)
@@ -438,6 +441,13 @@ class OrmBackend:
                 now=now,
                 lease_end=LeaseEnd.COMPLETED,
                 result=result,
+                flags=flags_for(
+                    result,
+                    duration_ms=job.item.duration_ms,
+                    language=(job.item.params or {}).get("language")
+                    if isinstance(job.item.params, dict)
+                    else None,
+                ),
             )
         return job
 

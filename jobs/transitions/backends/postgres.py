@@ -37,6 +37,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model, QuerySet
 from psycopg.types.datetime import TimestamptzLoader
 
+from batches.flags import language_name, words
 from batches.labels import Labels
 from batches.models import Batch, BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
@@ -378,6 +379,11 @@ class PostgresBackend(OrmBackend):
                 "worker": worker.pk,
                 "result": json.dumps(result),
                 "now": now,
+                # The quality flags are decided in the statement, from these
+                # and the item it locks (batches.flags, mirrored in COMPLETE).
+                "words": words(result.get("text")),
+                "heard": language_name(result.get("language")),
+                "per_minute": settings.RECALL_MIN_WORDS_PER_MINUTE,
             },
         )
         if row is not None:
@@ -534,7 +540,12 @@ class PostgresBackend(OrmBackend):
         that selected only them gives it: the others are deferred, read from the
         database if ever asked for. ``model(**values)`` would compute every other
         field's default on each call instead, several times the cost."""
-        return model.from_db(self.connection.alias, list(values), list(values.values()))
+        # from_db reads the values in the model's field order, whatever order
+        # the names are given in: hand them over in that order.
+        names = [f.attname for f in model._meta.concrete_fields if f.attname in values]
+        return model.from_db(
+            self.connection.alias, names, [values[name] for name in names]
+        )
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from typing import Any
 
 from django.db.models import Model
 
+from batches.flags import FLAG_COLUMNS, SHORT_MIN_MS, SPACES
 from batches.models import (
     COUNTER_COLUMNS,
     COUNTER_SHARDS,
@@ -195,11 +196,15 @@ def shift_and_record(moves: str) -> str:
     )
 
 
-def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
+def shift_one(
+    moves: str, moved: tuple[ItemStatus, ItemStatus], *, flags: bool = False
+) -> str:
     """``shift_and_record`` for CTE ``moves`` holding at most one move, from
     ``moved`` = (old, new) (a claim, a completion): one counter row changes, by
     the four columns the move touches, so no lock order is needed; and the
-    minute's bucket only if the move is a finish."""
+    minute's bucket only if the move is a finish. With ``flags``, the moves
+    also carry ``old_flag_<name>`` and ``new_flag_<name>`` (booleans: a
+    completion's quality flags) and the flag counters shift by them."""
     counter, minute = NAMES["counter"], NAMES["minute"]
     old, new = (ItemStatus(status).value for status in moved)
     changes = ", ".join(
@@ -210,6 +215,12 @@ def shift_one(moves: str, moved: tuple[ItemStatus, ItemStatus]) -> str:
             (getattr(counter, f"{status}_ms"), "m.ms"),
         )
     )
+    if flags:
+        changes += "".join(
+            f", {getattr(counter, c)} = c.{getattr(counter, c)}"
+            f" + m.new_{c}::int - m.old_{c}::int"
+            for c in FLAG_COLUMNS.values()
+        )
     counted = sql(
         """counter AS (
         UPDATE {counter} c SET {changes}
@@ -532,7 +543,7 @@ COMPLETE = sql(
         SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
             j.{job.attempts} AS attempts, i.{item.status} AS item_status,
             COALESCE(i.{item.duration_ms}, 0) AS ms, l.{lease.id} AS lease_id,
-            {now} AS at
+            {old_flags}, {new_flags}, {now} AS at
         FROM {job} j
         JOIN {item} i ON i.{item.id} = j.{job.item}
         LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
@@ -559,17 +570,47 @@ COMPLETE = sql(
         FROM clean WHERE {lease}.{lease.id} = clean.lease_id
     ), item AS (
         UPDATE {item} SET {item.status} = {item_for[completed]},
-            {item.updated_at} = clean.at
+            {item.updated_at} = clean.at, {set_flags}
         FROM clean WHERE {item}.{item.id} = clean.item_id
     ), moves AS (
-        SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms
+        SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms,
+            {moved_flags}
         FROM clean
     ), {shift}
     SELECT item_status, lease_id, batch_id, attempts, at, (SELECT tail FROM tail)
     FROM target""",
     shift=shift_one(
-        "moves", (ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED])
+        "moves",
+        (ITEM_FOR[JobStatus.LEASED], ITEM_FOR[JobStatus.COMPLETED]),
+        flags=True,
     ),
+    # The completion's quality flags: batches.flags.flags_for, decided here
+    # from the item this statement locks and %(words)s, %(heard)s (the
+    # result's word count and language_name) and %(per_minute)s, so the
+    # completion stays one statement (the differential test holds both to the
+    # same answers). The item's old flags come off the counters (an item that
+    # is not done has none, but a drifted one may).
+    old_flags=", ".join(
+        f"i.{getattr(NAMES['item'], c)} AS old_{c}" for c in FLAG_COLUMNS.values()
+    ),
+    new_flags=sql(
+        """%(words)s::bigint = 0 AS new_flag_empty,
+        COALESCE(i.{item.duration_ms} >= {short_min_ms}
+            AND %(words)s::bigint * 60000
+                < %(per_minute)s::bigint * i.{item.duration_ms},
+            false) AS new_flag_short,
+        COALESCE(%(heard)s::text IS NOT NULL
+            AND jsonb_typeof(i.{item.params} -> 'language') = 'string'
+            AND lower(btrim(i.{item.params} ->> 'language', {spaces}))
+                NOT IN ('', %(heard)s::text),
+            false) AS new_flag_language_mismatch""",
+        short_min_ms=SHORT_MIN_MS,
+        spaces="E'" + "".join(f"\\x{ord(c):02x}" for c in SPACES) + "'",
+    ),
+    set_flags=", ".join(
+        f"{getattr(NAMES['item'], c)} = clean.new_{c}" for c in FLAG_COLUMNS.values()
+    ),
+    moved_flags=", ".join(f"old_{c}, new_{c}" for c in FLAG_COLUMNS.values()),
 )
 
 # --- Reclaim ---------------------------------------------------------------------
