@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from api import worker_limits
+from batches.labels import satisfies
 
 WAITER_KEY = "recall.waiter"
 MAX_WAIT_SECONDS = 60
@@ -39,18 +40,41 @@ MAX_WAIT_SECONDS = 60
 MIN_PARK_SECONDS = 0.05
 
 
+# What the server is handed for a woken claim that found nothing it can take
+# (``api.worker_views.claims_for_waiting``): it waits on.
+KEEP_WAITING = b""
+
+
 @dataclass(frozen=True)
 class ClaimRequest:
     """What a parked claim keeps of its request: the claim's parameters, parsed
-    and validated by the view (a few numbers: add a field here for each new
-    claim parameter). When the view must answer a woken claim itself (its
-    worker was refused meanwhile), the server runs it again on ``body()``."""
+    and validated by the view (a few numbers and the worker's labels: add a
+    field here for each new claim parameter). When the view must answer a
+    woken claim itself (its worker was refused meanwhile), the server runs it
+    again on ``body()``."""
 
     wait_seconds: float
+    # The labels the claim declared (cleaned: at most 16 short pairs).
+    labels: Mapping[str, str] = field(default_factory=dict)
+    # None: a single claim (``{"job": ...}``); else up to this many jobs.
+    max_jobs: int | None = None
 
     def body(self) -> bytes:
         """The JSON body the view parses back into these parameters."""
-        return json.dumps(asdict(self)).encode()
+        body: dict[str, Any] = {"wait_seconds": self.wait_seconds}
+        if self.labels:
+            body["labels"] = dict(self.labels)
+        if self.max_jobs is not None:
+            body["max_jobs"] = self.max_jobs
+        return json.dumps(body).encode()
+
+    def serves(self, requires: Iterable[Mapping[str, str]] | None) -> bool:
+        """Whether this claim's labels satisfy at least one of ``requires``
+        (the requirements of the batches a probe found work in; None: the
+        probe could not say, so any claim may find work)."""
+        if requires is None:
+            return True
+        return any(satisfies(self.labels, each) for each in requires)
 
 
 class Waiter:

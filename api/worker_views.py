@@ -34,7 +34,14 @@ from api.jsonapi import (
 )
 from api.jsonapi import _check_values as _check_values  # the reference worker's tests
 from api.request_metrics import count_request, observed
-from api.waiter import MAX_WAIT_SECONDS, WAITER_KEY, ClaimRequest, Waiter
+from api.waiter import (
+    KEEP_WAITING,
+    MAX_WAIT_SECONDS,
+    WAITER_KEY,
+    ClaimRequest,
+    Waiter,
+)
+from batches.labels import LabelError, Labels, clean_labels
 from batches.numbers import is_number, shown
 from jobs import transitions
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
@@ -45,6 +52,8 @@ from jobs.transitions.rules import heartbeat_interval, max_leases
 log = logging.getLogger("recall.api")
 
 MAX_DB_ID = 2**63 - 1
+# The most jobs one claim may ask for (``"max_jobs"``).
+MAX_JOBS_PER_CLAIM = 32
 # Segment times are seconds of audio: about 115 days is the most that makes sense
 # (and keeps every export's arithmetic far from overflowing).
 MAX_SEGMENT_SECONDS = 10_000_000
@@ -205,52 +214,110 @@ def _no_such_job(job_id: int) -> ApiError:
 @worker_endpoint
 def claim(request: HttpRequest, worker: Worker, body: dict, *, now) -> HttpResponse:
     wait = _wait_seconds(body)
+    labels, max_jobs = _labels(body), _max_jobs(body)
     # The claim enforces the cap (in its own transaction); a worker that held
     # that many when it was authenticated is refused without trying.
     cap = max_leases()
     if worker.live_leases >= cap:
         raise TooManyLeases(worker.name, worker.live_leases, cap)
     # Asked to wait and the server can hold the request without a thread
-    # (api/waiter.py): it keeps the 204 and, when work may have come, claims
-    # again with claims_for_waiting (below), or sends the 204 when the wait is
-    # over. If its probe found nothing a moment ago, it waits for the next. A
-    # worker with RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims waiting already
-    # is answered at once, as if it had not asked to wait.
+    # (api/waiter.py): it keeps the 204 and, when work it can take may have
+    # come, claims again with claims_for_waiting (below), or sends the 204
+    # when the wait is over. If its probe found nothing a moment ago, it waits
+    # for the next. A worker with RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims
+    # waiting already is answered at once, as if it had not asked to wait.
     waiter = request.META.get(WAITER_KEY)
     if not isinstance(waiter, Waiter) or not wait:
         waiter = None
     limit = settings.RECALL_MAX_WAITING_CLAIMS_PER_WORKER
-    kept = ClaimRequest(wait_seconds=wait)  # what a parked claim keeps
+    # What a parked claim keeps.
+    kept = ClaimRequest(wait_seconds=wait, labels=labels, max_jobs=max_jobs)
     if waiter and waiter.quiet:
         if waiter.park(wait, kept, worker=worker.pk, limit=limit):
             return HttpResponse(status=204)
         waiter = None  # the wait is over, or the worker may not wait more
-    job = transitions.claim_next(worker, now=now, max_leases=cap)
-    if job is None:
+    answer = _claim(worker, kept, now=now, cap=cap)
+    if answer is None:
         if waiter:
             waiter.park(wait, kept, worker=worker.pk, limit=limit)
         return HttpResponse(status=204)
-    return JsonResponse(claimed(job))
+    return JsonResponse(answer)
 
 
-def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
+def _claim(
+    worker: Worker, request: ClaimRequest, *, now: datetime | None, cap: int
+) -> dict[str, Any] | None:
+    """Claim as ``request`` asks: the answer's JSON object, or None (a 204)."""
+    if request.max_jobs is None:
+        job = transitions.claim_next(
+            worker, labels=request.labels, now=now, max_leases=cap
+        )
+        return None if job is None else claimed(job)
+    jobs = transitions.claim_many(
+        worker,
+        labels=request.labels,
+        max_jobs=request.max_jobs,
+        now=now,
+        max_leases=cap,
+    )
+    return {"jobs": [claimed(job)["job"] for job in jobs]} if jobs else None
+
+
+def _labels(body: dict) -> Labels:
+    """The labels the claim declares (none: {}), by ``batches.labels``' rules."""
+    try:
+        return clean_labels(body.get("labels"), what="Field 'labels'")
+    except LabelError as error:
+        raise bad_request(f"{error}.") from None
+
+
+def _max_jobs(body: dict) -> int | None:
+    """How many jobs the claim takes at most (an integer from 1 to
+    ``MAX_JOBS_PER_CLAIM``), or None: a single claim, answered as one."""
+    if "max_jobs" not in body:
+        return None
+    value = body["max_jobs"]
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_JOBS_PER_CLAIM
+    ):
+        given = shown(value) if is_number(value) else json_type(value)
+        raise bad_request(
+            f"Field 'max_jobs' must be an integer from 1 to {MAX_JOBS_PER_CLAIM}, "
+            f"not {given}."
+        )
+    return value
+
+
+def claims_for_waiting(
+    waiting: Iterable[tuple[str, ClaimRequest | None]],
+) -> Iterator[bytes | None]:
     """Claim for waiting (parked) long-poll claims, woken because the server's
-    probe found work: for each request's ``Authorization`` header, in order,
-    the JSON body of its 200, or None when the claim view itself must answer
-    it (its worker is unknown, disabled or at its lease cap by now: a 401, 403
-    or 429; the cap is the claim's own, so a worker with many waiting claims
-    gets no more than its cap from one wave). Stops at the first claim that
-    finds nothing: the rest wait on.
+    probe found work they may take: for each ``(Authorization header, kept
+    parameters)``, in order, the JSON body of its 200; None when the claim
+    view itself must answer it (its worker is unknown, disabled or at its
+    lease cap by now: a 401, 403 or 429; the cap is the claim's own, so a
+    worker with many waiting claims gets no more than its cap from one wave);
+    or ``KEEP_WAITING`` when it found nothing it can take: it waits on. A
+    claim whose labels offer no more than those of one that found nothing
+    (the same or fewer pairs: it can serve no batch that one could not) is
+    not tried (it waits on); the others are, as work one worker cannot take
+    another may: at most one claim finds nothing per set of labels.
 
-    Each claim is the view's (the worker's authentication, then
-    ``claim_next``, its own transaction), on the caller's thread, without
-    running the request through HTTP parsing and middleware again, and the
-    workers are read in one statement: for a wave of hundreds of waiting
-    workers that was most of the cost (BENCHMARKS.md, row 15).
+    Each claim is the view's (the worker's authentication, then its claim,
+    its own transaction), on the caller's thread, without running the request
+    through HTTP parsing and middleware again, and the workers are read in one
+    statement: for a wave of hundreds of waiting workers that was most of the
+    cost (BENCHMARKS.md, row 15).
     """
     cap = max_leases()
-    tokens = [bearer_token(authorization) for authorization in authorizations]
-    for worker, now in transitions.authenticate_workers(tokens):
+    waiting = list(waiting)
+    tokens = [bearer_token(authorization) for authorization, _ in waiting]
+    found_nothing: list[Labels] = []  # the labels of claims that found nothing
+    workers = transitions.authenticate_workers(tokens)
+    for (worker, now), (_, kept) in zip(workers, waiting, strict=True):
+        request = kept or ClaimRequest(wait_seconds=0)
         started = time.perf_counter()
         if (
             worker is None
@@ -260,21 +327,26 @@ def claims_for_waiting(authorizations: Iterable[str]) -> Iterator[bytes | None]:
         ):
             yield None
             continue
+        if any(request.labels.items() <= other.items() for other in found_nothing):
+            yield KEEP_WAITING
+            continue
         transitions.touch_worker(worker, now=now)
         # Each claim on its own statement's clock: the workers were read
         # together, the claims come one after another (and each counts the
         # worker's leases again: an earlier claim of this wave may have been
         # its own).
         try:
-            job = transitions.claim_next(worker, max_leases=cap)
+            answer = _claim(worker, request, now=None, cap=cap)
         except (TooManyLeases, WorkerDisabled):
             yield None
             continue
-        if job is None:
-            return
+        if answer is None:
+            found_nothing.append(dict(request.labels))
+            yield KEEP_WAITING
+            continue
         # The bytes JsonResponse(...).content holds, without building the
         # response around them (a third less work for the body).
-        body = json.dumps(claimed(job), cls=DjangoJSONEncoder).encode()
+        body = json.dumps(answer, cls=DjangoJSONEncoder).encode()
         count_request("claim", 200, time.perf_counter() - started)
         yield body
 

@@ -1,4 +1,5 @@
-"""The long-poll waker's probe: how many parked claims may find work now.
+"""The long-poll waker's probe: how many parked claims may find work now, and
+which labels they need to take it.
 
 While claims are parked (``api/waiter.py``, ``recall_site/gunicorn_worker.py``),
 one process of the server runs this every ``RECALL_LONG_POLL_PROBE_SECONDS``
@@ -13,6 +14,7 @@ from datetime import datetime
 from django.db.models import Count, Exists, F, OuterRef, Q, Subquery
 from django.db.models.functions import Coalesce, Now
 
+from batches.labels import Labels
 from batches.models import Batch
 from jobs.models import Job, JobStatus
 
@@ -22,15 +24,26 @@ PROBE_BATCHES = 20
 
 
 def claimable_jobs(limit: int, *, now: datetime | None = None) -> int:
+    """How many jobs claims could take now, at most ``limit`` (``claimable_work``'s
+    count)."""
+    return claimable_work(limit, now=now)[0]
+
+
+def claimable_work(
+    limit: int, *, now: datetime | None = None
+) -> tuple[int, list[Labels]]:
     """How many jobs claims could take now, at most ``limit``: expired leases
     (a claim reclaims them first) plus, per open batch with a claimable job,
     its claimable jobs up to the room under its in-flight cap (in the first
-    ``PROBE_BATCHES`` such batches). A read, on the database's clock (each
-    statement's own, unless ``now`` is given): the waker's probe. With nothing
-    to find, which is what it finds nearly every time, it is two index probes.
+    ``PROBE_BATCHES`` such batches); and the distinct requirements of the
+    batches those jobs belong to, so that the server wakes only the waiting
+    claims whose labels can serve one of them. A read, on the database's
+    clock (each statement's own, unless ``now`` is given): the waker's probe.
+    With nothing to find, which is what it finds nearly every time, it is
+    two index probes.
     """
     if limit < 1:
-        return 0
+        return 0, []
     at: datetime | Now = Now() if now is None else now
     live = (
         Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
@@ -44,15 +57,29 @@ def claimable_jobs(limit: int, *, now: datetime | None = None) -> int:
         .filter(Exists(Job.objects.claimable(at).filter(batch=OuterRef("pk"))))
         .annotate(room=F("max_in_flight") - Coalesce(Subquery(live), 0))
         .filter(Q(max_in_flight__isnull=True) | Q(room__gt=0))
-        .values_list("pk", "room")
+        .values_list("pk", "room", "requires")
     )
     expired = Job.objects.expired(at)
     if not expired.exists() and not batches.exists():
-        return 0
-    found = expired[:limit].count()
-    for batch_id, room in batches[:PROBE_BATCHES]:
+        return 0, []
+    requires: list[Labels] = []
+
+    def needs(required: Labels) -> None:
+        if required not in requires:
+            requires.append(required)
+
+    found = 0
+    for (required,) in expired.order_by("lease_expires_at").values_list(
+        "batch__requires"
+    )[:limit]:
+        found += 1
+        needs(required)
+    for batch_id, room, required in batches[:PROBE_BATCHES]:
         if found >= limit:
             break
         want = limit - found if room is None else min(room, limit - found)
-        found += Job.objects.claimable(at).filter(batch_id=batch_id)[:want].count()
-    return min(found, limit)
+        more = Job.objects.claimable(at).filter(batch_id=batch_id)[:want].count()
+        if more:
+            found += more
+            needs(required)
+    return min(found, limit), requires

@@ -96,6 +96,7 @@ import glob
 import heapq
 import io
 import itertools
+import json
 import math
 import os
 import re
@@ -114,7 +115,7 @@ from gunicorn.http import wsgi
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn
 from gunicorn.workers.gthread import ThreadWorker as StockThreadWorker
 
-from api.waiter import WAITER_KEY, Waiter
+from api.waiter import KEEP_WAITING, WAITER_KEY, Waiter
 from recall_site import rundir
 from recall_site.request_reading import (
     Limits,
@@ -168,6 +169,9 @@ RECV_BYTES = 1024 * 1024
 # busy parsing it waited that long each time, hundreds of times a second.
 SWITCH_INTERVAL = 0.001
 HEAD_BYTES = 64 * 1024
+# The most a probe answer holds (its time, its count, the requirements of up
+# to PROBE_BATCHES batches and the expired leases' of at most 16 labels each).
+ANSWER_BYTES = 1024 * 1024
 
 
 def probe_file(master_pid: int, directory: str | None = None) -> str:
@@ -175,13 +179,19 @@ def probe_file(master_pid: int, directory: str | None = None) -> str:
     return os.path.join(directory or rundir.path(), f"{PROBE_FILE_PREFIX}{master_pid}")
 
 
-def read_answer(shared) -> tuple[float, int]:
+def read_answer(shared) -> tuple[float, int, list | None]:
     """The probe answer in the open file ``shared``: (``time.monotonic()`` when
-    it was asked, how many claims may find work); (0, 0) if there is none."""
-    last = os.pread(shared.fileno(), 64, 0).split()
-    if len(last) != 2:
-        return 0.0, 0
-    return float(last[0]), int(last[1])
+    it was asked, how many claims may find work, the requirements of the
+    batches that work is in); (0, 0, None) if there is none. None for the
+    requirements: not known (any waiting claim may find work)."""
+    last = os.pread(shared.fileno(), ANSWER_BYTES, 0).split(maxsplit=2)
+    if len(last) < 2:
+        return 0.0, 0, None
+    requires = None
+    if len(last) == 3:
+        with contextlib.suppress(ValueError):
+            requires = json.loads(last[2])
+    return float(last[0]), int(last[1]), requires
 
 
 def nudge_socket(master_pid: int, pid: int | str, directory: str | None = None) -> str:
@@ -307,8 +317,12 @@ class ThreadWorker(StockThreadWorker):
         self.next_probe = 0.0  # this process asks the database no sooner
         self.next_look = 0.0  # when to read the server's shared answer again
         self.answer_seen = 0.0  # the time of the last shared answer acted on
-        self.answer = (0.0, 0)  # the last shared answer read (time, found)
+        # The last shared answer read (time, found, requirements).
+        self.answer: tuple[float, int, list | None] = (0.0, 0, None)
         self.wake_budget = 0  # claims the last probe said could find work
+        # The requirements of the batches that work is in (None: unknown): only
+        # parked claims whose labels serve one of them are woken.
+        self.wake_requires: list | None = None
         self.claiming = False  # a thread is claiming for woken parked claims
         self.failure_logged = {"probe": -math.inf, "claim": -math.inf}
         self.shared = None  # the server's probe answer file, opened on first use
@@ -778,7 +792,7 @@ class ThreadWorker(StockThreadWorker):
     # --- Serving a request (on a thread) ----------------------------------------
 
     def handle_request(self, req, conn):
-        stamp, found = self.answer
+        stamp, found, _ = self.answer
         quiet = found == 0 and time.monotonic() - stamp < self._probe_interval()
         return self._serve(req, conn, Waiter(quiet=quiet))
 
@@ -1073,10 +1087,11 @@ class ThreadWorker(StockThreadWorker):
         """Act on the server's newest probe answer, once; start a probe (on a
         thread) when the answer is older than the probe interval, or look
         again when it will be."""
-        stamp, found = self.answer = self._shared_answer()
+        stamp, found, requires = self.answer = self._shared_answer()
         if stamp > self.answer_seen:
             self.answer_seen = stamp
             self.wake_budget = found
+            self.wake_requires = requires
             self._wake()
         now = time.monotonic()
         interval = self._probe_interval()
@@ -1102,15 +1117,28 @@ class ThreadWorker(StockThreadWorker):
 
     def _wake(self):
         """Claim for parked claims, oldest first, as many as the last probe
-        found work for: on one thread, one claim after another
+        found work for, among those whose labels serve a batch that work is in
+        (``ClaimRequest.serves``): on one thread, one claim after another
         (``api.worker_views.claims_for_waiting``), each answered as soon as it has its
         job. One thread, not one per claim, so that a batch for hundreds of
         waiting workers leaves the other threads free for heartbeats."""
         if self.claiming or self.wake_budget <= 0 or not self.parked:
             return
-        woken = [
-            (conn, self._unpark(conn)) for conn in list(self.parked)[: self.wake_budget]
-        ]
+        # Only claims whose labels serve a batch the work is in: the others
+        # could take none of it, and would stand in the way of those that can.
+        requires = self.wake_requires
+        servable = (
+            list(self.parked)
+            if requires is None or {} in requires
+            else [
+                conn
+                for conn, waiter in self.parked.items()
+                if waiter.claim is None or waiter.claim.serves(requires)
+            ]
+        )
+        woken = [(conn, self._unpark(conn)) for conn in servable[: self.wake_budget]]
+        if not woken:
+            return
         self.claiming = True
         self.busy += 1
         fs = self.tpool.submit(self._claim_for, woken)
@@ -1132,13 +1160,15 @@ class ThreadWorker(StockThreadWorker):
         close_old_connections()
         try:
             answers = claims_for_waiting(
-                waiter.held.environ.get("HTTP_AUTHORIZATION", "") for _, waiter in woken
+                (waiter.held.environ.get("HTTP_AUTHORIZATION", ""), waiter.claim)
+                for _, waiter in woken
             )
-            # The answers stop early when nothing is left to claim.
             for (conn, waiter), body in zip(woken, answers, strict=False):
                 if body is None:
                     outcomes[conn] = None
                     continue
+                if body == KEEP_WAITING:
+                    continue  # nothing it can take: it waits on
                 waiter.done()  # it has its job: answered, whatever the socket says
                 keepalive = self._guarded(
                     conn,
@@ -1228,26 +1258,28 @@ class ThreadWorker(StockThreadWorker):
         file's lock, unless another process just did."""
         with open(probe_file(self.ppid), "a+b") as shared:
             fcntl.flock(shared, fcntl.LOCK_EX)  # released when the file closes
-            stamp, _ = read_answer(shared)
+            stamp, _, _ = read_answer(shared)
             if time.monotonic() - stamp < self._probe_interval():
                 return
             asked = time.monotonic()
-            found = self._ask_database()
-            if found is not None:
+            answer = self._ask_database()
+            found = 0
+            if answer is not None:
+                found, requires = answer
                 shared.seek(0)
                 shared.truncate()
-                shared.write(f"{asked} {found}".encode())
+                shared.write(f"{asked} {found} {json.dumps(requires)}".encode())
         if found:  # the file is closed (written, unlocked): the others read it
             self._nudge_others()
 
-    def _ask_database(self) -> int | None:
+    def _ask_database(self) -> tuple[int, list] | None:
         from django.db import close_old_connections
 
-        from engine.longpoll import claimable_jobs
+        from engine.longpoll import claimable_work
 
         close_old_connections()
         try:
-            return claimable_jobs(self.worker_connections)
+            return claimable_work(self.worker_connections)
         except Exception as error:
             # The waiting claims get their 204 when their wait is over.
             self._log_failure("probe", error)

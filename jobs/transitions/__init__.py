@@ -28,14 +28,16 @@ those rows themselves; they call these functions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db.models import QuerySet
 
+from batches.labels import Labels
 from batches.models import Batch
+from jobs.exceptions import TooManyLeases
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
 from . import actions, purge, repairs, rules, webhook_writes, workers
@@ -60,6 +62,7 @@ __all__ = [
     "cancel_batch_chunk",
     "cancel_job",
     "cancel_queued",
+    "claim_many",
     "claim_next",
     "claim_webhook_deliveries",
     "close_stray_leases",
@@ -157,9 +160,20 @@ def set_worker_active(worker: Worker, active: bool) -> bool:
 
 
 def claim_next(
-    worker: Worker, *, now: datetime | None = None, max_leases: int | None = None
+    worker: Worker,
+    *,
+    labels: Mapping[str, str] | None = None,
+    now: datetime | None = None,
+    max_leases: int | None = None,
 ) -> Job | None:
     """queued -> leased: the next claimable job for ``worker``, or None.
+
+    ``labels`` are the labels the worker declares with this claim (cleaned
+    by ``batches.labels.clean_labels``; None declares none): they become the
+    worker's ``labels`` (written only when they changed), and the claim takes
+    only jobs of batches whose ``requires`` they satisfy
+    (``batches.labels.satisfies``). Priority, fair share and ``max_in_flight``
+    decide among those batches as if the others did not exist.
 
     Expired leases are reclaimed and an interrupted batch cancel is finished
     first, so no expired lease stands while new work is handed out. Then the
@@ -176,11 +190,73 @@ def claim_next(
     worker was disabled after its request was authenticated (the turn sees
     every disable committed before it): a disabled worker never gets a lease.
     """
+    declared = _declare(worker, labels)
     limit = rules.max_leases() if max_leases is None else max_leases
-    job = backend().claim_next(worker, now=now, max_leases=limit)
+    job = backend().claim_next(worker, labels=declared, now=now, max_leases=limit)
     if job is not None:
         log_lease("claimed", job, worker_id=worker.pk)
     return job
+
+
+def claim_many(
+    worker: Worker,
+    *,
+    labels: Mapping[str, str] | None = None,
+    max_jobs: int,
+    now: datetime | None = None,
+    max_leases: int | None = None,
+) -> list[Job]:
+    """queued -> leased for up to ``max_jobs`` jobs: ``claim_next`` up to
+    ``max_jobs`` times in a row, stopping at the first that finds nothing or
+    at the worker's lease cap. The jobs leased, in claim order; [] when none.
+
+    One transaction per job, each exactly a single claim (one statement on
+    PostgreSQL in the common case): each lease is all-or-nothing on its own,
+    the jobs are shared out among batches exactly as that many single claims
+    in a row would share them (each is charged to its batch's fair share
+    before the next one chooses), and no lock (the worker's turn, a job's, a
+    counter shard's) is held from one job to the next, so other workers'
+    claims interleave freely. One transaction for them all would hold the
+    worker's row and the first job's counter shard locked while the others
+    are chosen, and on PostgreSQL cost a savepoint around every statement.
+    The chores (expired leases, an interrupted cancel) are done by the first
+    claim; those after it find none left (a probe of an empty index).
+
+    TooManyLeases (nothing written) only when the first claim finds the
+    worker at its cap; after that, the cap just ends the run. The worker's
+    ``live_leases`` (counted at its authentication) saves the claim that
+    would be refused: the run stops once they and the new jobs reach the cap
+    (each claim's turn still counts for itself, so a stale count never lets
+    the worker over it). WorkerDisabled propagates: a disable reclaims the
+    leases this run had already taken.
+    """
+    if max_jobs < 1:
+        raise ValueError(f"max_jobs must be at least 1, not {max_jobs}")
+    declared = _declare(worker, labels)
+    limit = rules.max_leases() if max_leases is None else max_leases
+    chosen = backend()
+    jobs: list[Job] = []
+    while len(jobs) < max_jobs:
+        if jobs and worker.live_leases + len(jobs) >= limit:
+            break
+        try:
+            job = chosen.claim_next(worker, labels=declared, now=now, max_leases=limit)
+        except TooManyLeases:
+            if not jobs:
+                raise
+            break
+        if job is None:
+            break
+        log_lease("claimed", job, worker_id=worker.pk)
+        jobs.append(job)
+    return jobs
+
+
+def _declare(worker: Worker, labels: Mapping[str, str] | None) -> Labels:
+    """The labels a claim declares (none: {}), kept as the worker's latest."""
+    declared: Labels = {} if labels is None else dict(labels)
+    workers.declare_labels(worker, declared)
+    return declared
 
 
 def heartbeat(

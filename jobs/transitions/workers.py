@@ -3,6 +3,7 @@ it was last seen. Portable ORM code, the same on every backend."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 
 from jobs.models import Worker
@@ -41,3 +42,12 @@ def touch(worker: Worker, now: datetime) -> None:
     if worker.seen_long_ago(now):
         Worker.objects.filter(pk=worker.pk).update(last_seen=now)
         worker.last_seen = now
+
+
+def declare_labels(worker: Worker, labels: Mapping[str, str]) -> None:
+    """Keep ``labels`` as the worker's latest declared labels, writing the row
+    only when they changed: a worker declares the same labels with every
+    claim, and claims are the hot path."""
+    if worker.labels != labels:
+        Worker.objects.filter(pk=worker.pk).update(labels=dict(labels))
+        worker.labels = dict(labels)

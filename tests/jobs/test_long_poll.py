@@ -12,7 +12,7 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from api.waiter import WAITER_KEY, ClaimRequest, Waiter
+from api.waiter import KEEP_WAITING, WAITER_KEY, ClaimRequest, Waiter
 from api.worker_views import claims_for_waiting
 from engine.longpoll import claimable_jobs
 from jobs import transitions
@@ -159,16 +159,28 @@ def _bearer(worker) -> str:
     return f"Bearer {worker.token}"
 
 
+def _waiting(*authorizations: str, labels=None, max_jobs=None):
+    """Parked claims as the server hands them over: (header, kept request)."""
+    kept = ClaimRequest(wait_seconds=30, labels=labels or {}, max_jobs=max_jobs)
+    return [(authorization, kept) for authorization in authorizations]
+
+
 def test_woken_claims_get_one_job_each_until_none_is_left(api):
-    """What the server sends a woken claim is the claim view's answer; the
-    claims stop at the first that finds nothing (the rest wait on)."""
+    """What the server sends a woken claim is the claim view's answer; one
+    that finds nothing waits on (KEEP_WAITING), and so, untried, does every
+    later one with the same labels."""
     batch = make_batch(2)
     first, second, third = (make_worker(f"w{i}") for i in range(3))
 
-    bodies = list(claims_for_waiting(_bearer(w) for w in (first, second, third)))
+    fourth = make_worker("w3")
+    bodies = list(
+        claims_for_waiting(_waiting(*(_bearer(w) for w in (first, second, third))))
+    )
+    more = list(claims_for_waiting(_waiting(_bearer(fourth), _bearer(first))))
 
-    assert len(bodies) == 2
-    answers = [json.loads(body) for body in bodies]
+    assert bodies[2:] == [KEEP_WAITING]
+    assert more == [KEEP_WAITING, KEEP_WAITING]
+    answers = [json.loads(body) for body in bodies[:2]]
     for worker, answer in zip((first, second), answers, strict=True):
         job = Job.objects.get(pk=answer["job"]["id"])
         assert (job.status, job.leased_by_id) == (JobStatus.LEASED, worker.pk)
@@ -217,13 +229,13 @@ def test_a_woken_claim_of_a_refused_worker_goes_back_to_the_view(settings):
 
     answers = list(
         claims_for_waiting(
-            [
+            _waiting(
                 "Bearer not-a-token",
                 "Basic dXNlcjpwYXNz",
                 _bearer(disabled),
                 _bearer(capped),
                 _bearer(ready),
-            ]
+            )
         )
     )
 
@@ -244,7 +256,9 @@ def test_one_wave_of_woken_claims_never_leases_a_worker_past_its_cap(settings, b
     make_batch(10)
     greedy, other = make_worker("greedy"), make_worker("other")
 
-    answers = list(claims_for_waiting([_bearer(greedy)] * 10 + [_bearer(other)]))
+    answers = list(
+        claims_for_waiting(_waiting(*[_bearer(greedy)] * 10, _bearer(other)))
+    )
 
     assert [answer is None for answer in answers] == [False] * 2 + [True] * 8 + [False]
     assert Job.objects.filter(leased_by=greedy).count() == 2

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import QuerySet
 
+from batches.labels import Labels
 from batches.models import Batch
 from jobs.models import Job, Worker
 
@@ -54,7 +55,12 @@ class TransitionBackend(Protocol):
     def touch(self, worker: Worker, now: datetime) -> None: ...
 
     def claim_next(
-        self, worker: Worker, *, now: datetime | None, max_leases: int
+        self,
+        worker: Worker,
+        *,
+        labels: Labels,
+        now: datetime | None,
+        max_leases: int,
     ) -> Job | None: ...
 
     def heartbeat(

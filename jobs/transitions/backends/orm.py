@@ -34,6 +34,7 @@ from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet, Subquery, 
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from batches.labels import Labels, satisfies
 from batches.models import COUNTER_SHARDS, Batch, BatchCounter, BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
@@ -72,6 +73,29 @@ class Candidate:
     batch_id: int
     priority: int
     capped: bool  # has a max in flight: claims of it take turns on its row
+
+
+def _servable(
+    batches: QuerySet[Batch, tuple[Any, ...]], labels: Labels, *, page: int
+) -> Iterator[Candidate]:
+    """The batches of ``batches`` (``values_list`` of pk, priority,
+    virtual_time, max_in_flight, requires, in claim order) whose requirements
+    ``labels`` satisfy, read ``page`` rows at a time, each page after the last
+    row of the one before (on the claim order's own columns)."""
+    rows = batches
+    while True:
+        read = list(rows[:page])
+        for pk, priority, _, cap, requires in read:
+            if satisfies(labels, requires):
+                yield Candidate(pk, priority, capped=cap is not None)
+        if len(read) < page:
+            return
+        pk, priority, virtual_time = read[-1][:3]
+        rows = batches.filter(
+            Q(priority__lt=priority)
+            | Q(priority=priority, virtual_time__gt=virtual_time)
+            | Q(priority=priority, virtual_time=virtual_time, pk__gt=pk)
+        )
 
 
 # Rows per INSERT when the driver has no COPY (SQLite).
@@ -148,20 +172,26 @@ class OrmBackend:
     # --- Claim ------------------------------------------------------------------
 
     def claim_next(
-        self, worker: Worker, *, now: datetime | None, max_leases: int
+        self,
+        worker: Worker,
+        *,
+        labels: Labels,
+        now: datetime | None,
+        max_leases: int,
     ) -> Job | None:
         """Lease the next claimable job to ``worker``, or return None.
 
         First reclaims expired leases and finishes an interrupted batch cancel,
         so an expired lease is never left standing while new work is handed
         out. Then takes the oldest claimable job of the first open batch in
-        claim order (priority, then fair share: least virtual time), skipping
-        batches at their in-flight cap and rows other claims hold. TooManyLeases
+        claim order (priority, then fair share: least virtual time) whose
+        requirements ``labels`` satisfy, skipping batches at their in-flight
+        cap and rows other claims hold. TooManyLeases
         when the worker already holds ``max_leases``, WorkerDisabled when it was
         disabled meanwhile (``_claim_turn``).
         """
         now = self._resolve(now)
-        expired, cancelling, candidates = self._claim_plan(now)
+        expired, cancelling, candidates = self._claim_plan(now, labels)
         if expired:
             self.reclaim_expired(
                 now=now, limit=settings.RECALL_RECLAIM_ON_CLAIM, wait=False
@@ -169,7 +199,7 @@ class OrmBackend:
         if cancelling:
             self.chores.finish_interrupted_cancel(now=now)
         if expired or cancelling:
-            candidates = self._claim_plan(now)[2]  # the chores changed them
+            candidates = self._claim_plan(now, labels)[2]  # the chores changed them
         candidates = list(candidates)
         for candidate in candidates:
             # The claim is charged to the batch's share only when another open
@@ -179,16 +209,28 @@ class OrmBackend:
                 for other in candidates
             )
             job = self._claim_in_batch(
-                candidate, worker, now, charge=rivals, max_leases=max_leases
+                candidate,
+                worker,
+                now,
+                labels=labels,
+                charge=rivals,
+                max_leases=max_leases,
             )
             if job is not None:
                 return job
         return None
 
-    def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[Candidate]]:
-        """(reclaim first?, finish a cancel first?, the open batches with a
-        claimable job and room under their cap, in claim order). Here each
-        chore probes itself."""
+    def _claim_plan(
+        self, now: datetime, labels: Labels
+    ) -> tuple[bool, bool, Iterable[Candidate]]:
+        """(reclaim first?, finish a cancel first?, the first
+        ``CLAIM_BATCH_CANDIDATES`` open batches with a claimable job, room
+        under their cap and requirements ``labels`` satisfy, in claim order).
+        Here each chore probes itself.
+
+        The requirements are matched in Python (``satisfies``: SQLite has no
+        JSON containment), page after page of the claim order, so batches the
+        worker cannot serve never hide one it can behind them."""
         live = (
             Job.objects.filter(batch=OuterRef("pk"), status=JobStatus.LEASED)
             .order_by()
@@ -204,16 +246,13 @@ class OrmBackend:
                 | Q(max_in_flight__gt=Coalesce(Subquery(live), 0))
             )
             .order_by("-priority", "virtual_time", "pk")
-            .values_list("pk", "priority", "max_in_flight")[:CLAIM_BATCH_CANDIDATES]
+            .values_list("pk", "priority", "virtual_time", "max_in_flight", "requires")
         )
-        return (
-            True,
-            True,
-            [
-                Candidate(pk, priority, capped=cap is not None)
-                for pk, priority, cap in candidates
-            ],
+        servable = islice(
+            _servable(candidates, labels, page=CLAIM_BATCH_CANDIDATES),
+            CLAIM_BATCH_CANDIDATES,
         )
+        return True, True, list(servable)
 
     def _claim_in_batch(
         self,
@@ -221,6 +260,7 @@ class OrmBackend:
         worker: Worker,
         now: datetime,
         *,
+        labels: Labels,
         charge: bool,
         max_leases: int,
     ) -> Job | None:
@@ -247,6 +287,9 @@ class OrmBackend:
                         .order_by("created_at", "pk")
                         .first()
                     )
+                    if job is not None and not satisfies(labels, job.batch.requires):
+                        # Its requirements changed since the plan: not this one.
+                        return None
                     if job is not None:
                         open_lease(job, worker, token=new_lease_token(), now=now)
                         if charge:

@@ -37,6 +37,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Model, QuerySet
 from psycopg.types.datetime import TimestamptzLoader
 
+from batches.labels import Labels
 from batches.models import Batch, BatchItem, ItemStatus
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, JobStatus, Worker
@@ -152,7 +153,12 @@ class PostgresBackend(OrmBackend):
     # --- Claim ------------------------------------------------------------------
 
     def claim_next(
-        self, worker: Worker, *, now: datetime | None, max_leases: int
+        self,
+        worker: Worker,
+        *,
+        labels: Labels,
+        now: datetime | None,
+        max_leases: int,
     ) -> Job | None:
         # Most claims: nothing to do first, and the first batch with work has a
         # job free, or no batch has work. One statement (atomic by itself),
@@ -161,7 +167,7 @@ class PostgresBackend(OrmBackend):
         row = self._claim_row(
             statements.CLAIM_FIRST,
             {
-                **self._claim_params(worker, token, now, max_leases),
+                **self._claim_params(worker, labels, token, now, max_leases),
                 "cancel_grace": CANCEL_GRACE,
             },
         )
@@ -177,13 +183,21 @@ class PostgresBackend(OrmBackend):
                 return None  # an idle claim: one statement too
             now = at  # the long way uses the statement's instant
         # The long way: the ORM backend's, through the hooks below.
-        return super().claim_next(worker, now=now, max_leases=max_leases)
+        return super().claim_next(worker, labels=labels, now=now, max_leases=max_leases)
 
-    def _claim_plan(self, now: datetime) -> tuple[bool, bool, Iterable[Candidate]]:
-        """The chores and the candidates in one probe (``CLAIM_PLAN``)."""
+    def _claim_plan(
+        self, now: datetime, labels: Labels
+    ) -> tuple[bool, bool, Iterable[Candidate]]:
+        """The chores and the candidates in one probe (``CLAIM_PLAN``), the
+        requirements matched in SQL (jsonb containment)."""
         rows = self._fetchall(
             statements.CLAIM_PLAN,
-            {"now": now, "cancel_grace": CANCEL_GRACE, "limit": CLAIM_BATCH_CANDIDATES},
+            {
+                "now": now,
+                "cancel_grace": CANCEL_GRACE,
+                "limit": CLAIM_BATCH_CANDIDATES,
+                "labels": json.dumps(labels),
+            },
         )
         expired, cancelling = rows[0][:2]
         candidates = [
@@ -199,12 +213,18 @@ class PostgresBackend(OrmBackend):
         worker: Worker,
         now: datetime,
         *,
+        labels: Labels,
         charge: bool,
         max_leases: int,
     ) -> Job | None:
         if candidate.capped:  # claims of it take turns on its row: the ORM code
             return super()._claim_in_batch(
-                candidate, worker, now, charge=charge, max_leases=max_leases
+                candidate,
+                worker,
+                now,
+                labels=labels,
+                charge=charge,
+                max_leases=max_leases,
             )
         # One statement, so atomic by itself. If the rows it found disagree it
         # wrote nothing, and the ORM code (which heals them) runs instead.
@@ -212,7 +232,7 @@ class PostgresBackend(OrmBackend):
         row = self._claim_row(
             statements.CLAIM,
             {
-                **self._claim_params(worker, token, now, max_leases),
+                **self._claim_params(worker, labels, token, now, max_leases),
                 "batch": candidate.batch_id,
                 "charge": charge,
             },
@@ -226,7 +246,12 @@ class PostgresBackend(OrmBackend):
             if written:
                 return job
         return super()._claim_in_batch(
-            candidate, worker, now, charge=charge, max_leases=max_leases
+            candidate,
+            worker,
+            now,
+            labels=labels,
+            charge=charge,
+            max_leases=max_leases,
         )
 
     @staticmethod
@@ -238,10 +263,18 @@ class PostgresBackend(OrmBackend):
             raise TooManyLeases(worker.name, held, max_leases)
 
     def _claim_params(
-        self, worker: Worker, token: str, now: datetime | None, max_leases: int
+        self,
+        worker: Worker,
+        labels: Labels,
+        token: str,
+        now: datetime | None,
+        max_leases: int,
     ) -> dict[str, Any]:
         return {
             "worker": worker.pk,
+            # Matched against each batch's ``requires`` (jsonb containment:
+            # exactly ``satisfies`` for flat maps of strings).
+            "labels": json.dumps(labels),
             "token": token,
             "now": now,
             "lease_seconds": lease_duration().total_seconds(),

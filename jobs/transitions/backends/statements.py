@@ -287,7 +287,15 @@ CHORES = sql(
 )
 
 
-# Open batches with a claimable job and room under their in-flight cap (and
+# A batch (alias b) the claiming worker's labels (``%(labels)s``, a JSON object)
+# can serve: it requires nothing they do not offer. jsonb containment is
+# exactly ``batches.labels.satisfies`` for flat objects of strings, and a batch
+# that requires nothing ({}) is contained in any labels.
+SERVES = sql("b.{batch.requires} <@ %(labels)s::jsonb")
+
+
+# Open batches the worker can serve (``SERVES``) with a claimable job and room
+# under their in-flight cap (and
 # ``unless`` is true), in claim order: priority, then fair share (least virtual
 # time; see ``rows.charge_share``), then age. The LATERAL ... LIMIT 1 keeps that
 # one probe of the claim index per batch (as a plain EXISTS the planner may
@@ -306,7 +314,7 @@ def candidates(*, unless: str = "true") -> str:
         SELECT 1 FROM {job} j WHERE j.{job.batch} = b.{batch.id} AND {claimable}
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
     ) AS claimable
-    WHERE {open_batch} AND {unless} AND (
+    WHERE {open_batch} AND {serves} AND {unless} AND (
         b.{batch.max_in_flight} IS NULL OR b.{batch.max_in_flight} > (
             SELECT count(*) FROM {job} l
             WHERE l.{job.batch} = b.{batch.id} AND l.{job.status} = {job_status[leased]}
@@ -315,6 +323,7 @@ def candidates(*, unless: str = "true") -> str:
     ORDER BY b.{batch.priority} DESC, b.{batch.virtual_time}, b.{batch.id}""",
         claimable=CLAIMABLE,
         open_batch=OPEN_BATCH,
+        serves=SERVES,
         unless=unless,
     )
 
@@ -334,7 +343,9 @@ CHARGE = sql(
 
 def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
     """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
-    LOCKED), if its item agrees and no ledger row of an earlier lease was left
+    LOCKED), if the worker's labels serve the batch (``SERVES``: checked again
+    here, as its requirements may have changed since it was chosen), its item
+    agrees and no ledger row of an earlier lease was left
     open, and the worker holds fewer than ``%(cap)s`` live leases; the claim is
     charged to the batch's share if ``charge``. The prelude defines ``turn``:
     the worker's live leases, counted after its turn to claim came, or -1 if
@@ -355,6 +366,7 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         JOIN {batch} b ON b.{batch.id} = j.{job.batch}
         WHERE j.{job.batch} = {batch_id} AND {claimable}
           AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+          AND {serves}
           AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
@@ -394,6 +406,7 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         job_columns=NAMES["job"].columns("j", "j_"),
         item_columns=NAMES["item"].columns("i", "i_"),
         claimable=CLAIMABLE,
+        serves=SERVES,
         shift=shift_one(
             "moves", (ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED])
         ),
