@@ -46,6 +46,7 @@ ANSWERED_FROM_THE_START = (
     ("claim", "200"),
     ("claim", "204"),
     ("heartbeat", "200"),
+    ("heartbeat_many", "200"),
     ("complete", "200"),
     ("fail", "200"),
     ("release", "200"),

@@ -9,6 +9,7 @@ every documented response is the only kind of response a request can get.
 from __future__ import annotations
 
 from batches.json_limits import MAX_JSON_DEPTH
+from jobs.transitions.rules import LEASE_LOST, MAX_HEARTBEAT_LEASES, NOT_FOUND
 
 # What every JSON body must be, whatever its schema says.
 BODY_RULES = (
@@ -113,7 +114,8 @@ SPEC = {
         "version": "1",
         "description": (
             "Workers claim a job under a time-limited lease, heartbeat every "
-            "heartbeat_interval seconds, then complete, fail or release it. Every "
+            "heartbeat_interval seconds (one call for all of a worker's leases: "
+            "/api/v1/heartbeat), then complete, fail or release it. Every "
             "call needs 'Authorization: Bearer <worker token>'. " + BODY_RULES
         ),
     },
@@ -188,6 +190,28 @@ SPEC = {
                 "parameters": [JOB_ID],
                 "requestBody": _body("LeaseRequest"),
                 "responses": {"200": _json("Status"), **JOB_ERRORS},
+            }
+        },
+        "/api/v1/heartbeat": {
+            "post": {
+                "operationId": "heartbeat_many",
+                "tags": ["worker"],
+                "summary": "Extend many leases at once (a worker with several GPUs).",
+                "description": (
+                    "One call for all of the worker's leases, renewed in one "
+                    "transaction. Each lease is judged alone, exactly as the "
+                    "single heartbeat judges it, and answered in the order "
+                    "asked: its new expiry, or lease_lost (not this worker's "
+                    "live lease under that token: stop working on it) or "
+                    "not_found (no such job). A lost lease never stops the "
+                    "others being renewed. A server older than this call "
+                    "answers 400 or 404: heartbeat each lease alone then."
+                ),
+                "requestBody": _body("HeartbeatManyRequest"),
+                "responses": {
+                    "200": _json("HeartbeatMany", "One answer per lease, in order."),
+                    **ERRORS,
+                },
             }
         },
     },
@@ -347,6 +371,67 @@ SPEC = {
                 "additionalProperties": False,
                 "properties": {
                     "lease_expires_at": {"type": "string", "format": "date-time"}
+                },
+            },
+            "HeartbeatManyRequest": {
+                "type": "object",
+                "required": ["leases"],
+                "properties": {
+                    "leases": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": MAX_HEARTBEAT_LEASES,
+                        "description": "The job ids distinct (else 400).",
+                        "items": {
+                            "type": "object",
+                            "required": ["job_id", "lease_token"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "job_id": {"type": "integer"},
+                                "lease_token": TOKEN,
+                            },
+                        },
+                    }
+                },
+            },
+            "HeartbeatMany": {
+                "type": "object",
+                "required": ["leases"],
+                "additionalProperties": False,
+                "properties": {
+                    "leases": {
+                        "type": "array",
+                        "items": {
+                            "oneOf": [
+                                {
+                                    "type": "object",
+                                    "description": "Renewed.",
+                                    "required": ["job_id", "lease_expires_at"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "job_id": {"type": "integer"},
+                                        "lease_expires_at": {
+                                            "type": "string",
+                                            "format": "date-time",
+                                        },
+                                    },
+                                },
+                                {
+                                    "type": "object",
+                                    "description": "Not renewed, and why.",
+                                    "required": ["job_id", "error"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "job_id": {"type": "integer"},
+                                        "error": {
+                                            "type": "string",
+                                            "enum": [LEASE_LOST, NOT_FOUND],
+                                        },
+                                    },
+                                },
+                            ]
+                        },
+                    }
                 },
             },
             "Status": {

@@ -47,7 +47,11 @@ from jobs import transitions
 from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, Worker
 from jobs.tokens import MAX_TOKEN_LENGTH
-from jobs.transitions.rules import heartbeat_interval, max_leases
+from jobs.transitions.rules import (
+    MAX_HEARTBEAT_LEASES,
+    heartbeat_interval,
+    max_leases,
+)
 
 log = logging.getLogger("recall.api")
 
@@ -155,6 +159,40 @@ def _lease_token(body: dict) -> str:
             f"Field 'lease_token' must be 1 to {MAX_TOKEN_LENGTH} characters."
         )
     return token
+
+
+def _leases(body: dict) -> list[tuple[int, str]]:
+    """A batched heartbeat's leases: 1 to MAX_HEARTBEAT_LEASES objects of
+    exactly ``job_id`` (an integer) and ``lease_token``, the job ids distinct."""
+    leases = field(body, "leases", list)
+    if not 1 <= len(leases) <= MAX_HEARTBEAT_LEASES:
+        raise bad_request(
+            f"Field 'leases' must hold 1 to {MAX_HEARTBEAT_LEASES} leases, "
+            f"not {len(leases)}."
+        )
+    pairs: list[tuple[int, str]] = []
+    seen: set[int] = set()
+    for n, entry in enumerate(leases):
+        if not isinstance(entry, dict) or entry.keys() != {"job_id", "lease_token"}:
+            raise bad_request(
+                f"leases[{n}] must be an object with exactly the fields 'job_id' "
+                f"and 'lease_token'."
+            )
+        job_id, token = entry["job_id"], entry["lease_token"]
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise bad_request(
+                f"leases[{n}].job_id must be an integer, not {json_type(job_id)}."
+            )
+        if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN_LENGTH:
+            raise bad_request(
+                f"leases[{n}].lease_token must be a string of 1 to "
+                f"{MAX_TOKEN_LENGTH} characters."
+            )
+        if job_id in seen:
+            raise bad_request(f"leases[{n}] names job {job_id} again.")
+        seen.add(job_id)
+        pairs.append((job_id, token))
+    return pairs
 
 
 def _result(body: dict) -> dict:
@@ -384,6 +422,26 @@ def heartbeat(
     token = _lease_token(body)
     expires = transitions.heartbeat(_job(job_id), token, worker=worker, now=now)
     return JsonResponse({"lease_expires_at": expires.isoformat()})
+
+
+@worker_endpoint
+def heartbeat_many(
+    request: HttpRequest, worker: Worker, body: dict, *, now
+) -> HttpResponse:
+    """All of a worker's leases in one call, each judged as ``heartbeat`` would
+    judge it alone: a lost one never stops the others being renewed."""
+    leases = _leases(body)
+    answers = transitions.heartbeat_many(leases, worker=worker, now=now)
+    return JsonResponse(
+        {
+            "leases": [
+                {"job_id": job_id, "lease_expires_at": answer.isoformat()}
+                if isinstance(answer, datetime)
+                else {"job_id": job_id, "error": answer}
+                for (job_id, _), answer in zip(leases, answers, strict=True)
+            ]
+        }
+    )
 
 
 @worker_endpoint

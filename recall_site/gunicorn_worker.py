@@ -19,17 +19,17 @@ blocking it: a client that never closed its side made the stock worker's loop
 sleep 2 s per connection.
 
 **Threads.** A complete request waits for a thread in one of two queues:
-lease calls and health (``/api/v1/jobs/...``, ``/healthz``, ``/readyz``,
-``/metrics``) go first, and one thread of each process is kept for them: other
-requests (claims, pages, exports, uploads) take a thread only while another
-stays free. So a heartbeat never waits behind a claim storm or behind seven
-exports. A process listens for new connections while such a thread is free, so
-that the kernel hands connections to a process that can serve them at once; a
-process with none free takes, every 20 ms, the connections that waited in the
-kernel's backlog through one look (every process is busy, then, and a
-connection held here can be put behind a heartbeat; one in the backlog
-cannot). A request that waited 5 s for a thread is answered 503 (its client
-retries, most likely on another process).
+lease calls and health (``/api/v1/jobs/...``, ``/api/v1/heartbeat``,
+``/healthz``, ``/readyz``, ``/metrics``) go first, and one thread of each
+process is kept for them: other requests (claims, pages, exports, uploads)
+take a thread only while another stays free. So a heartbeat never waits
+behind a claim storm or behind seven exports. A process listens for new
+connections while such a thread is free, so that the kernel hands connections
+to a process that can serve them at once; a process with none free takes,
+every 20 ms, the connections that waited in the kernel's backlog through one
+look (every process is busy, then, and a connection held here can be put
+behind a heartbeat; one in the backlog cannot). A request that waited 5 s for
+a thread is answered 503 (its client retries, most likely on another process).
 
 **Load shedding.** A flood of requests with bodies (one token's claims of a
 megabyte each, say) must not take the process's CPU and memory from its
@@ -131,7 +131,7 @@ METRICS_DIR_PREFIX = "metrics-"
 
 # Requests that keep leases alive or report health: they go first, and one
 # thread of each process is kept for them.
-URGENT_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+URGENT_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/api/v1/heartbeat"})
 URGENT_PREFIX = "/api/v1/jobs/"
 # A request still arriving after this long may be closed (after idle
 # connections, the slowest first) when a process needs room for connections.

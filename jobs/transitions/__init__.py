@@ -81,6 +81,7 @@ __all__ = [
     "hand_over_webhook_dispatcher",
     "heal_item",
     "heartbeat",
+    "heartbeat_many",
     "now",
     "pause_batch",
     "purge_batch_chunk",
@@ -264,6 +265,42 @@ def heartbeat(
 ) -> datetime:
     """Extend a live lease; return its new expiry. LeaseLost if not live."""
     return backend().heartbeat(_pk(job), lease_token, worker=worker, now=now)
+
+
+# Job ids a database column can hold; any other id names no job.
+_MAX_DB_ID = 2**63 - 1
+
+
+def heartbeat_many(
+    leases: Sequence[tuple[int, str]],
+    *,
+    worker: Worker,
+    now: datetime | None = None,
+) -> list[datetime | str]:
+    """Extend many leases of one worker at once, in one transaction (a worker
+    with eight GPUs holds eight): ``leases`` are (job id, lease token) pairs,
+    the job ids distinct. For each, in order, its new expiry, or why it was not
+    renewed: ``rules.LEASE_LOST`` (the job is not leased to ``worker`` under
+    that token) or ``rules.NOT_FOUND`` (there is no such job). Each is judged
+    exactly as ``heartbeat`` judges it alone, and a lost one never stops the
+    others being renewed."""
+    ids = [job_id for job_id, _ in leases]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a batched heartbeat names each job at most once")
+    # An id no column can hold names no job (and must not reach the database).
+    asked = [(job_id, token) for job_id, token in leases if 0 < job_id <= _MAX_DB_ID]
+    answers = (
+        dict(
+            zip(
+                (job_id for job_id, _ in asked),
+                backend().heartbeat_many(asked, worker=worker, now=now),
+                strict=True,
+            )
+        )
+        if asked
+        else {}
+    )
+    return [answers.get(job_id, rules.NOT_FOUND) for job_id in ids]
 
 
 def complete(

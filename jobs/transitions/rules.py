@@ -24,6 +24,14 @@ FORCED_BY_ADMIN = "The lease was ended by an administrator."
 BATCH_CANCELLED = "The batch was cancelled."
 EXHAUSTED = "Failed by reconciliation: queued with no attempts left."
 
+# Why a lease of a batched heartbeat (``heartbeat_many``) was not renewed: the
+# job exists but the caller does not hold its live lease under that token, or
+# there is no such job. The worker API's per-lease error codes, as they are.
+LEASE_LOST = "lease_lost"
+NOT_FOUND = "not_found"
+# The most leases one batched heartbeat renews (the worker API's limit).
+MAX_HEARTBEAT_LEASES = 64
+
 # How many open batches one claim looks at before it reports "nothing claimable".
 CLAIM_BATCH_CANDIDATES = 50
 

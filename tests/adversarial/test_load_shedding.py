@@ -55,17 +55,21 @@ def test_a_flood_of_bodies_is_shed_before_they_are_read(tmp_path):
                 continue
             shed.append((status, headers["retry-after"], json.loads(body)["error"]))
         beat = json.dumps({"lease_token": job["lease_token"]}).encode()
-        took = [
-            healthz(port, timeout=5),
-            call(
-                port,
-                "POST",
-                f"/api/v1/jobs/{job['id']}/heartbeat",
-                beat,
-                token=worker.token,
-                timeout=5,
-            )[2],
-        ]
+        beats = json.dumps(
+            {"leases": [{"job_id": job["id"], "lease_token": job["lease_token"]}]}
+        ).encode()
+        single = call(
+            port,
+            "POST",
+            f"/api/v1/jobs/{job['id']}/heartbeat",
+            beat,
+            token=worker.token,
+            timeout=5,
+        )
+        batched = call(
+            port, "POST", "/api/v1/heartbeat", beats, token=worker.token, timeout=5
+        )
+        took = [healthz(port, timeout=5), single[2], batched[2]]
         # The ones read go on, and are dropped at their timeout.
         timed_out = [
             read_response(sock, timeout=TIMEOUT + 5)[0]
@@ -78,3 +82,5 @@ def test_a_flood_of_bodies_is_shed_before_they_are_read(tmp_path):
     assert shed == [None] * ACCEPTED + [(503, "1", "unavailable")] * (30 - ACCEPTED)
     assert timed_out == [408] * ACCEPTED
     assert max(took) < 1.0, took
+    assert (single[0], batched[0]) == (200, 200)
+    assert "lease_expires_at" in json.loads(batched[1])["leases"][0]

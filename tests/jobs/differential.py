@@ -158,6 +158,26 @@ def _heartbeat(world: World, k: int, stranger: int | None = None) -> Any:
     return transitions.heartbeat(job_id, token, worker=worker, now=world.now)
 
 
+def _heartbeat_many(
+    world: World, ks: list[int], stranger: int | None = None, unknown: bool = False
+) -> Any:
+    """One batched heartbeat of the k-th leases (the first of each job: ids are
+    distinct), as their holder or as ``stranger``, with a job that does not
+    exist at the end if ``unknown``."""
+    leases: dict[int, str] = {}
+    worker = world.workers[0] if stranger is None else world.workers[stranger]
+    for k in ks:
+        job_id, holder, token = _lease(world, k)
+        leases.setdefault(job_id, token)
+        if stranger is None:
+            worker = holder  # one worker's call: the last named lease's holder
+    if unknown:
+        leases[10_000] = "no-such-job"
+    return transitions.heartbeat_many(
+        list(leases.items()), worker=worker, now=world.now
+    )
+
+
 def _complete(world: World, k: int, text: str = "t") -> Any:
     job_id, worker, token = _lease(world, k)
     result = {
@@ -338,6 +358,7 @@ def _exhaust(world: World, j: int) -> None:
 _APPLY = {
     "claim": _claim,
     "heartbeat": _heartbeat,
+    "heartbeat_many": _heartbeat_many,
     "complete": _complete,
     "fail": _fail,
     "release": _release,

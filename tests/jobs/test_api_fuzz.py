@@ -79,6 +79,16 @@ def _steer(case, world) -> None:
     token = body.get("lease_token") if isinstance(body, dict) else None
     if isinstance(token, str) and tokens and len(token) % 2 == 0:
         body["lease_token"] = tokens[len(token) % len(tokens)]
+    # A batched heartbeat's leases: most of them real jobs, some with real tokens.
+    leases = body.get("leases") if isinstance(body, dict) else None
+    for lease in leases if isinstance(leases, list) else []:
+        if not isinstance(lease, dict):
+            continue
+        job_id, token = lease.get("job_id"), lease.get("lease_token")
+        if isinstance(job_id, int) and job_id % 3:
+            lease["job_id"] = job_ids[job_id % len(job_ids)]
+        if isinstance(token, str) and token and tokens and len(token) % 2 == 0:
+            lease["lease_token"] = tokens[len(token) % len(tokens)]
     # Keep a few live leases around for the next examples.
     if Job.objects.filter(status=JobStatus.LEASED).count() < 3:
         transitions.claim_next(world["worker"])

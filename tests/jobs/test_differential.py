@@ -6,7 +6,7 @@ through the statement backend (``auto``) and through the portable ORM backend
 ledger, counters, throughput buckets, events, tallies, batches and workers
 must be equal (tokens and webhook ids normalised), including the webhook
 outbox (events and deliveries). The named cases cover every transition and
-the unusual paths (stale tokens, replays, backoff, the last attempt, forced
+the unusual paths (stale tokens, a batched heartbeat's mixed answers, replays, backoff, the last attempt, forced
 reclaim, cancel mid-flight, retry, drifted rows healed on the way) and
 worker authentication (one token and a wave of them); the Hypothesis state
 machine then tries sequences nobody thought of.
@@ -44,6 +44,26 @@ CASES = {
         ("fail", 0, True),
         ("heartbeat", 1, 2),
         ("complete", 1),
+    ],
+    "batched heartbeat: renewed, lost, unknown, fenced, all in one call": [
+        ("claim", 0),
+        ("claim", 0),
+        ("claim", 1),
+        ("claim", 0),
+        ("tick", 20),
+        ("heartbeat_many", [0, 1, 3], None, True),
+        ("complete", 1),
+        ("heartbeat_many", [3, 1, 2, 0], None, True),  # 2: another worker's
+        ("heartbeat_many", [0, 3], 2),  # a stranger renews nothing
+        ("tick", 70),  # 2 expired; 0 and 3 expired but live until reclaimed
+        ("heartbeat_many", [0, 3]),
+        ("reclaim",),
+        ("claim", 2),
+        ("heartbeat_many", [2], 2),  # the old token, fenced by the new lease
+        ("heartbeat_many", [4]),  # the new lease
+        ("heartbeat_many", [], None, True),
+        ("release", 4),
+        ("heartbeat_many", [4, 0]),
     ],
     "retryable failure backs off, then the last attempt fails for good": [
         ("claim", 0),
@@ -283,6 +303,14 @@ class BackendsAgree(RuleBasedStateMachine):
     @rule(k=st.integers(0, 50), stranger=st.none() | st.integers(0, 2))
     def heartbeat(self, k, stranger):
         self._do("heartbeat", k, stranger)
+
+    @rule(
+        ks=st.lists(st.integers(0, 50), max_size=5),
+        stranger=st.none() | st.integers(0, 2),
+        unknown=st.booleans(),
+    )
+    def heartbeat_many(self, ks, stranger, unknown):
+        self._do("heartbeat_many", ks, stranger, unknown)
 
     @rule(k=st.integers(0, 50))
     def complete(self, k):

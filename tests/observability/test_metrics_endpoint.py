@@ -81,6 +81,8 @@ def test_worker_api_requests_and_claim_times_are_counted(token, api, batch):
     claimed = api.claim()
     job = claimed.json()["job"]
     assert api.heartbeat(job["id"], job["lease_token"]).status_code == 200
+    assert api.heartbeat_many([(job["id"], job["lease_token"])]).status_code == 200
+    assert api.post("/api/v1/heartbeat", {"leases": []}).status_code == 400
     assert api.complete(job["id"], job["lease_token"]).status_code == 200
     assert api.heartbeat(job["id"], job["lease_token"]).status_code == 409
     assert api.post("/api/v1/claim", raw=b"[1]").status_code == 400
@@ -99,6 +101,8 @@ def test_worker_api_requests_and_claim_times_are_counted(token, api, batch):
     assert requests == {
         ("claim", "200"): 1,
         ("heartbeat", "200"): 1,
+        ("heartbeat_many", "200"): 1,
+        ("heartbeat_many", "400"): 1,
         ("complete", "200"): 1,
         ("heartbeat", "409"): 1,
         ("claim", "400"): 1,

@@ -133,6 +133,13 @@ class WorkerClient:
     def heartbeat(self, job_id: int, token: str):
         return self.post(f"/api/v1/jobs/{job_id}/heartbeat", {"lease_token": token})
 
+    def heartbeat_many(self, leases: list[tuple[int, str]]):
+        """One batched heartbeat of (job id, lease token) pairs."""
+        return self.post(
+            "/api/v1/heartbeat",
+            {"leases": [{"job_id": j, "lease_token": t} for j, t in leases]},
+        )
+
     def complete(self, job_id: int, token: str, result=None):
         result = {"text": "hello"} if result is None else result
         return self.post(

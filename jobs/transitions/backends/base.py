@@ -67,6 +67,14 @@ class TransitionBackend(Protocol):
         self, job_id: int, lease_token: str, *, worker: Worker, now: datetime | None
     ) -> datetime: ...
 
+    def heartbeat_many(
+        self,
+        leases: Sequence[tuple[int, str]],
+        *,
+        worker: Worker,
+        now: datetime | None,
+    ) -> list[datetime | str]: ...
+
     def complete(
         self,
         job_id: int,

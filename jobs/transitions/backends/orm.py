@@ -56,6 +56,8 @@ from ..rows import (
 from ..rules import (
     CLAIM_BATCH_CANDIDATES,
     LEASE_EXPIRED,
+    LEASE_LOST,
+    NOT_FOUND,
     gave_up,
     lease_duration,
     retry_delay,
@@ -362,6 +364,50 @@ class OrmBackend:
                 heartbeat_at=now, expires_at=expires
             )
         return expires
+
+    def heartbeat_many(
+        self,
+        leases: Sequence[tuple[int, str]],
+        *,
+        worker: Worker,
+        now: datetime | None,
+    ) -> list[datetime | str]:
+        now = self._resolve(now)
+        expires = now + lease_duration()
+        tokens = dict(leases)
+        with transaction.atomic():
+            # The worker's leased jobs among them, locked in id order (as every
+            # transition that locks many jobs takes them: no deadlock), then
+            # each renewed if its token is the one asked with: the single
+            # heartbeat's compare-and-set, entry by entry.
+            held = (
+                Job.objects.select_for_update(no_key=True)
+                .filter(pk__in=tokens, status=JobStatus.LEASED, leased_by=worker)
+                .order_by("pk")
+                .values_list("pk", "lease_token")
+            )
+            renewed = {pk for pk, token in held if token == tokens[pk]}
+            if renewed:
+                Job.objects.filter(pk__in=renewed).update(
+                    lease_expires_at=expires, heartbeat_at=now, updated_at=now
+                )
+                Lease.objects.filter(
+                    token__in=[tokens[pk] for pk in renewed], ended_at__isnull=True
+                ).update(heartbeat_at=now, expires_at=expires)
+            unrenewed = [pk for pk in tokens if pk not in renewed]
+            exist = (
+                set(Job.objects.filter(pk__in=unrenewed).values_list("pk", flat=True))
+                if unrenewed
+                else set()
+            )
+        return [
+            expires
+            if job_id in renewed
+            else LEASE_LOST
+            if job_id in exist
+            else NOT_FOUND
+            for job_id, _ in leases
+        ]
 
     def complete(
         self,

@@ -45,7 +45,14 @@ from jobs.tokens import hash_token, new_lease_token, plausible_worker_token
 from jobs.tokens import token_prefix as prefix_of
 
 from ..rows import log_lease, lost_detail
-from ..rules import CANCEL_GRACE, CLAIM_BATCH_CANDIDATES, LEASE_EXPIRED, lease_duration
+from ..rules import (
+    CANCEL_GRACE,
+    CLAIM_BATCH_CANDIDATES,
+    LEASE_EXPIRED,
+    LEASE_LOST,
+    NOT_FOUND,
+    lease_duration,
+)
 from . import statements
 from .base import Chores, ItemRow
 from .orm import Candidate, OrmBackend
@@ -327,6 +334,30 @@ class PostgresBackend(OrmBackend):
         if row is None:
             raise LeaseLost(lost_detail(job_id))
         return row[0]
+
+    def heartbeat_many(
+        self,
+        leases: Sequence[tuple[int, str]],
+        *,
+        worker: Worker,
+        now: datetime | None,
+    ) -> list[datetime | str]:
+        # One statement for all of a worker's leases: at fleet scale heartbeats
+        # are most of the calls, and this is what makes a batch of them cheap.
+        rows = self._fetchall(
+            statements.HEARTBEAT_MANY,
+            {
+                "jobs": [job_id for job_id, _ in leases],
+                "tokens": [token for _, token in leases],
+                "worker": worker.pk,
+                "now": now,
+                "lease_seconds": lease_duration().total_seconds(),
+            },
+        )
+        return [
+            expires if expires is not None else LEASE_LOST if exists else NOT_FOUND
+            for expires, exists in rows
+        ]
 
     # --- Complete ---------------------------------------------------------------
 

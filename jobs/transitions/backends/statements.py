@@ -481,6 +481,42 @@ HEARTBEAT = sql(
     SELECT expires FROM job"""
 )
 
+# Extend many leases of one worker (a batched heartbeat), each as HEARTBEAT
+# would: the jobs leased to this worker under the tokens asked with are locked
+# in id order (as every transition that locks many jobs takes them), and their
+# deadlines and open ledger rows' moved one lease length from now. Returns one
+# row per lease asked for, in the order asked: its new expiry (NULL when not
+# renewed) and, when not renewed, whether the job exists at all (lease lost,
+# or no such job).
+HEARTBEAT_MANY = sql(
+    """WITH asked AS (
+        SELECT * FROM unnest(%(jobs)s::bigint[], %(tokens)s::text[])
+            WITH ORDINALITY AS a(job_id, token, n)
+    ), held AS MATERIALIZED (
+        SELECT j.{job.id} AS id FROM {job} j
+        JOIN asked ON j.{job.id} = asked.job_id AND j.{job.lease_token} = asked.token
+        WHERE j.{job.status} = {job_status[leased]} AND j.{job.leased_by} = %(worker)s
+        ORDER BY j.{job.id}
+        FOR NO KEY UPDATE OF j
+    ), job AS (
+        UPDATE {job} SET {job.lease_expires_at} = {now} + {lease_seconds},
+            {job.heartbeat_at} = {now}, {job.updated_at} = {now}
+        FROM held WHERE {job}.{job.id} = held.id
+        RETURNING {job}.{job.id} AS id, {job}.{job.lease_token} AS token,
+            {job}.{job.lease_expires_at} AS expires, {job}.{job.heartbeat_at} AS at
+    ), ledger AS (
+        UPDATE {lease} SET {lease.heartbeat_at} = job.at,
+            {lease.expires_at} = job.expires
+        FROM job
+        WHERE {lease}.{lease.token} = job.token AND {lease}.{lease.ended_at} IS NULL
+    )
+    SELECT job.expires, CASE WHEN job.expires IS NULL THEN EXISTS (
+            SELECT FROM {job} k WHERE k.{job.id} = asked.job_id
+        ) END
+    FROM asked LEFT JOIN job ON job.id = asked.job_id
+    ORDER BY asked.n"""
+)
+
 # --- Complete --------------------------------------------------------------------
 
 # leased -> completed under this lease, if the item and the ledger row agree
