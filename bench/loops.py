@@ -388,7 +388,8 @@ def routed_claims(args: dict, started) -> dict:
     process: the time is the server's), each job that one gets completed at
     once. ``args["workers"]`` is (token, labels) pairs, taken in turn: each
     claim is the next worker's, with its labels. Reports every claim's time
-    by its answer's status, and the jobs completed."""
+    by its answer's status, each worker's answers by status, and the jobs
+    completed."""
     from django.test import Client
 
     client = Client(HTTP_HOST="127.0.0.1")
@@ -404,14 +405,18 @@ def routed_claims(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies: dict[int, list[float]] = {}
+    answers: list[dict[int, int]] = [{} for _ in workers]
     done, claims, began = 0, 0, time.perf_counter()
     while time.time() < deadline:
-        headers, body = workers[claims % len(workers)]
+        turn = claims % len(workers)
+        headers, body = workers[turn]
         claims += 1
         t0 = time.perf_counter()
         response = client.post("/api/v1/claim", body, "application/json", **headers)
-        latencies.setdefault(response.status_code, []).append(time.perf_counter() - t0)
-        if response.status_code != 200:
+        status = response.status_code
+        latencies.setdefault(status, []).append(time.perf_counter() - t0)
+        answers[turn][status] = answers[turn].get(status, 0) + 1
+        if status != 200:
             continue
         job = response.json()["job"]
         response = client.post(
@@ -427,6 +432,7 @@ def routed_claims(args: dict, started) -> dict:
         "done": done,
         "elapsed": time.perf_counter() - began,
         "by_status": latencies,
+        "answers": answers,
     }
 
 
