@@ -388,8 +388,9 @@ def routed_claims(args: dict, started) -> dict:
     process: the time is the server's), each job that one gets completed at
     once. ``args["workers"]`` is (token, labels) pairs, taken in turn: each
     claim is the next worker's, with its labels. Reports every claim's time
-    by its answer's status, each worker's answers by status, and the jobs
-    completed."""
+    by its answer's status, each worker's answers by status (by token: the
+    runner returns the processes' reports in the order they end), and the
+    jobs completed."""
     from django.test import Client
 
     client = Client(HTTP_HOST="127.0.0.1")
@@ -405,7 +406,7 @@ def routed_claims(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies: dict[int, list[float]] = {}
-    answers: list[dict[int, int]] = [{} for _ in workers]
+    answers: list[dict[int, int]] = [{} for _ in workers]  # by turn
     done, claims, began = 0, 0, time.perf_counter()
     while time.time() < deadline:
         turn = claims % len(workers)
@@ -432,7 +433,10 @@ def routed_claims(args: dict, started) -> dict:
         "done": done,
         "elapsed": time.perf_counter() - began,
         "by_status": latencies,
-        "answers": answers,
+        "answers": {
+            token: answered
+            for (token, _), answered in zip(args["workers"], answers, strict=True)
+        },
     }
 
 

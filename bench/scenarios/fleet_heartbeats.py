@@ -75,7 +75,7 @@ def fleet_heartbeats(bench: Bench) -> None:
         f"{n:,} workers holding {per} leases each ({n * per:,}), every "
         f"{sizes.beat_interval:g} s"
     )
-    totals = {}
+    totals, costs = {}, {}
     for kind, phase in (("once per lease", single), ("once per worker", batched)):
         total = totals[kind] = sum(phase["cpu"].values())
         parts = " + ".join(
@@ -83,7 +83,9 @@ def fleet_heartbeats(bench: Bench) -> None:
         )
         latencies = phase["latencies"]
         # CPU per renewal: a percent of one core is 10 ms of CPU per second.
-        each = total * 10 / phase["renewed"] if phase["renewed"] else float("nan")
+        each = costs[kind] = (
+            total * 10 / phase["renewed"] if phase["renewed"] else float("nan")
+        )
         bench.add(
             "20",
             "heartbeats at fleet scale",
@@ -92,14 +94,18 @@ def fleet_heartbeats(bench: Bench) -> None:
             f"{total:.1f}% of one core ({parts}) = {each:.2f} ms per lease; "
             f"{_ms(_pct(latencies, 0.5))} / {_ms(_pct(latencies, 0.99))}",
         )
+    # When the server falls behind the fleet's calls once per lease, its CPU
+    # there is less than the fleet asks for: the cost per lease renewed says
+    # so, and the target holds only if both ratios meet it.
     single_cpu, batched_cpu = totals["once per lease"], totals["once per worker"]
     ratio = single_cpu / batched_cpu if batched_cpu else float("inf")
+    per_lease = costs["once per lease"] / costs["once per worker"]
     bench.add(
         "20",
         "heartbeats at fleet scale",
-        f"server CPU once per lease / once per worker; leases live at the end, "
-        f"of {n * per:,}",
-        f"{ratio:.1f} x; {live:,}",
+        f"server CPU once per lease / once per worker (per lease renewed); "
+        f"leases live at the end, of {n * per:,}",
+        f"{ratio:.1f} x ({per_lease:.1f} x); {live:,}",
         f">= 4 x; all {n * per:,}",
-        ratio >= 4 and live == n * per,
+        min(ratio, per_lease) >= 4 and live == n * per,
     )

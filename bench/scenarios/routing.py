@@ -67,6 +67,7 @@ def routing(bench: Bench) -> None:
         (token, offered) for (_, token), offered in zip(workers, labels, strict=True)
     ]
     pks = [worker.pk for worker, _ in workers]
+    by_token = {token: worker.pk for worker, token in workers}
     latencies: dict[int, list[float]] = {}
     racing: Counter[int] = Counter()
     answers: dict[int, Counter[int]] = {pk: Counter() for pk in pks}
@@ -79,11 +80,11 @@ def routing(bench: Bench) -> None:
             [{"workers": [clients[k % len(clients)]]} for k in range(bench.p)],
             duration=sizes.routing_seconds,
         )
-        for k, result in enumerate(results):
+        for result in results:
             for status, times in result["by_status"].items():
                 racing[int(status)] += len(times)
-            (answered,) = result["answers"]
-            answers[pks[k % len(pks)]].update(answered)
+            for token, answered in result["answers"].items():
+                answers[by_token[token]].update(answered)
         done += sum(r["done"] for r in results)
         elapsed += max(r["elapsed"] for r in results)
         # One client, the workers' claims in turn: the server time of a claim
@@ -93,8 +94,8 @@ def routing(bench: Bench) -> None:
         )
         for status, times in one["by_status"].items():
             latencies.setdefault(int(status), []).extend(times)
-        for pk, answered in zip(pks, one["answers"], strict=True):
-            answers[pk].update(answered)
+        for token, answered in one["answers"].items():
+            answers[by_token[token]].update(answered)
     unexpected = (set(latencies) | set(racing)) - {200, 204}
     if unexpected:
         raise RuntimeError(f"claims with labels answered {sorted(unexpected)}")

@@ -103,9 +103,10 @@ def test_a_tiny_bench_run_prints_every_figure():
     assert [c[1].split(":")[0] for c in beats] == [
         "once per lease",
         "once per worker",
-        "server CPU once per lease / once per worker; leases live at the end, of 80",
+        "server CPU once per lease / once per worker (per lease renewed); leases "
+        "live at the end, of 80",
     ]
-    assert re.fullmatch(r"[0-9.]+ x; 80", beats[2][2])
+    assert re.fullmatch(r"[0-9.]+ x \([0-9.]+ x\); 80", beats[2][2])
     many = [c for c in cells if c[0] == "HTTP claim of many"]
     assert len(many) == 2
     assert many[1][1].count("tuned") == 2
