@@ -31,6 +31,9 @@ class Sizes:
     throughput_seconds: float = 10.0
     throughput_jobs: int = 60_000
     peer_jobs: int = 5_000
+    # A peer's run gives up after this long (a shared machine slows a stock
+    # peer to a few jobs a second: django-q2's took over 300 s on 2026-12-03).
+    peer_timeout: float = 900.0
     finished: int = 1_000_000
     live_leases: int = 10_000
     idle_seconds: float = 10.0

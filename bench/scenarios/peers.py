@@ -29,7 +29,13 @@ def peer_rates(bench: Bench) -> dict[tuple[str, bool], float]:
         # documented configuration (bench/peers.py says which and why).
         for tuned in (False, True):
             rates = [
-                measure(dsn, jobs=bench.sizes.peer_jobs, processes=bench.p, tuned=tuned)
+                measure(
+                    dsn,
+                    jobs=bench.sizes.peer_jobs,
+                    processes=bench.p,
+                    tuned=tuned,
+                    timeout=bench.sizes.peer_timeout,
+                )
                 for _ in range(bench.sizes.runs)
             ]
             bench.peer_rates[name, tuned] = statistics.median(rates)
