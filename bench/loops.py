@@ -388,8 +388,10 @@ def routed_claims(args: dict, started) -> dict:
     process: the time is the server's), each job that one gets completed at
     once. ``args["workers"]`` is (token, labels) pairs, taken in turn: each
     claim is the next worker's, with its labels. Reports every claim's time
-    by its answer's status, each worker's answers by status (by token: the
-    runner returns the processes' reports in the order they end), and the
+    by its answer's status and the CPU time this process spent on them (the
+    app's share of the server time: on a shared machine the wall time also
+    holds the waits for a core), each worker's answers by status (by token:
+    the runner returns the processes' reports in the order they end), and the
     jobs completed."""
     from django.test import Client
 
@@ -406,16 +408,18 @@ def routed_claims(args: dict, started) -> dict:
         return {}
     _, deadline = started
     latencies: dict[int, list[float]] = {}
+    cpu: dict[int, float] = {}
     answers: list[dict[int, int]] = [{} for _ in workers]  # by turn
     done, claims, began = 0, 0, time.perf_counter()
     while time.time() < deadline:
         turn = claims % len(workers)
         headers, body = workers[turn]
         claims += 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         response = client.post("/api/v1/claim", body, "application/json", **headers)
         status = response.status_code
         latencies.setdefault(status, []).append(time.perf_counter() - t0)
+        cpu[status] = cpu.get(status, 0.0) + time.process_time() - c0
         answers[turn][status] = answers[turn].get(status, 0) + 1
         if status != 200:
             continue
@@ -433,6 +437,7 @@ def routed_claims(args: dict, started) -> dict:
         "done": done,
         "elapsed": time.perf_counter() - began,
         "by_status": latencies,
+        "cpu_by_status": cpu,
         "answers": {
             token: answered
             for (token, _), answered in zip(args["workers"], answers, strict=True)
