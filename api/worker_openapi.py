@@ -127,7 +127,10 @@ SPEC = {
             "post": {
                 "operationId": "claim",
                 "tags": ["worker"],
-                "summary": "Lease the next claimable job.",
+                "summary": (
+                    "Lease the next claimable job (or up to max_jobs of them) "
+                    "the worker's labels can serve."
+                ),
                 "requestBody": {
                     "required": False,
                     "content": {
@@ -137,7 +140,22 @@ SPEC = {
                     },
                 },
                 "responses": {
-                    "200": _json("Claimed", "A job, leased to the caller."),
+                    "200": {
+                        "description": (
+                            "A job leased to the caller (Claimed), or, with "
+                            "max_jobs, 1 to max_jobs of them (ClaimedMany)."
+                        ),
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "oneOf": [
+                                        {"$ref": "#/components/schemas/Claimed"},
+                                        {"$ref": "#/components/schemas/ClaimedMany"},
+                                    ]
+                                }
+                            }
+                        },
+                    },
                     "204": {
                         "description": (
                             "Nothing is claimable now (or within wait_seconds); "
@@ -230,9 +248,50 @@ SPEC = {
             "ClaimRequest": {
                 "type": "object",
                 "description": (
-                    "Empty, or how long to wait for work; unknown fields are ignored."
+                    "Empty, or how long to wait for work, the worker's labels and "
+                    "how many jobs to take at most; unknown fields are ignored."
                 ),
                 "properties": {
+                    "labels": {
+                        "type": "object",
+                        "maxProperties": 16,
+                        "additionalProperties": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": 63,
+                            "pattern": "^[A-Za-z0-9_.:/-]{1,63}$",
+                        },
+                        "example": {"gpu": "a100", "model": "large-v3"},
+                        "description": (
+                            "The labels this worker offers (at most 16; keys match "
+                            "^[a-z0-9][a-z0-9_.-]{0,62}$, values are 1 to 63 "
+                            "characters of A-Za-z0-9_.:/-; anything else is 400). "
+                            "The claim takes only jobs of batches whose every "
+                            "required label the worker has with exactly that "
+                            "value (a batch that requires nothing is open to "
+                            "all); priority, weights and max_in_flight decide "
+                            "among those. Absent declares none. The "
+                            "server keeps the labels of the worker's latest "
+                            "claim; a waiting claim is woken only by work its "
+                            "labels can take."
+                        ),
+                    },
+                    "max_jobs": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": 32,
+                        "description": (
+                            "Take up to this many jobs in one call: the answer "
+                            'is then {"jobs": [...]} (ClaimedMany) with 1 to '
+                            "max_jobs jobs, shared out among batches as that "
+                            "many single claims in a row would share them, "
+                            "never more than the worker's lease cap leaves room "
+                            "for (429 only when it is at the cap already), or "
+                            "204 when none. With wait_seconds, the wait ends as "
+                            "soon as at least one job is leased. Without it, a "
+                            'claim answers {"job": {...}} (Claimed).'
+                        ),
+                    },
                     "wait_seconds": {
                         "type": "number",
                         "minimum": 0,
@@ -246,69 +305,87 @@ SPEC = {
                             "RECALL_MAX_WAITING_CLAIMS_PER_WORKER claims waiting "
                             "already."
                         ),
-                    }
+                    },
                 },
             },
             "Claimed": {
                 "type": "object",
+                "description": "The answer to a claim without max_jobs.",
                 "required": ["job"],
                 "additionalProperties": False,
+                "properties": {"job": {"$ref": "#/components/schemas/LeasedJob"}},
+            },
+            "ClaimedMany": {
+                "type": "object",
+                "description": (
+                    "The answer to a claim with max_jobs: 1 to max_jobs jobs, each "
+                    "exactly what a single claim answers (its own lease token and "
+                    "expiry)."
+                ),
+                "required": ["jobs"],
+                "additionalProperties": False,
                 "properties": {
-                    "job": {
+                    "jobs": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 32,
+                        "items": {"$ref": "#/components/schemas/LeasedJob"},
+                    }
+                },
+            },
+            "LeasedJob": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": [
+                    "id",
+                    "lease_token",
+                    "lease_expires_at",
+                    "lease_seconds",
+                    "heartbeat_interval",
+                    "attempt",
+                    "max_attempts",
+                    "batch",
+                    "item",
+                ],
+                "properties": {
+                    "id": {"type": "integer"},
+                    "lease_token": {"type": "string"},
+                    "lease_expires_at": {
+                        "type": "string",
+                        "format": "date-time",
+                    },
+                    "lease_seconds": {"type": "integer", "minimum": 1},
+                    "heartbeat_interval": {"type": "integer", "minimum": 1},
+                    "attempt": {"type": "integer", "minimum": 1},
+                    "max_attempts": {"type": "integer", "minimum": 1},
+                    "batch": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["id", "name"],
+                        "properties": {
+                            "id": {"type": "integer"},
+                            "name": {"type": "string"},
+                        },
+                    },
+                    "item": {
                         "type": "object",
                         "additionalProperties": False,
                         "required": [
                             "id",
-                            "lease_token",
-                            "lease_expires_at",
-                            "lease_seconds",
-                            "heartbeat_interval",
-                            "attempt",
-                            "max_attempts",
-                            "batch",
-                            "item",
+                            "source",
+                            "params",
+                            "duration_seconds",
                         ],
                         "properties": {
                             "id": {"type": "integer"},
-                            "lease_token": {"type": "string"},
-                            "lease_expires_at": {
-                                "type": "string",
-                                "format": "date-time",
-                            },
-                            "lease_seconds": {"type": "integer", "minimum": 1},
-                            "heartbeat_interval": {"type": "integer", "minimum": 1},
-                            "attempt": {"type": "integer", "minimum": 1},
-                            "max_attempts": {"type": "integer", "minimum": 1},
-                            "batch": {
-                                "type": "object",
-                                "additionalProperties": False,
-                                "required": ["id", "name"],
-                                "properties": {
-                                    "id": {"type": "integer"},
-                                    "name": {"type": "string"},
-                                },
-                            },
-                            "item": {
-                                "type": "object",
-                                "additionalProperties": False,
-                                "required": [
-                                    "id",
-                                    "source",
-                                    "params",
-                                    "duration_seconds",
-                                ],
-                                "properties": {
-                                    "id": {"type": "integer"},
-                                    "source": {"type": "string"},
-                                    "params": {"type": "object"},
-                                    "duration_seconds": {
-                                        "type": "number",
-                                        "nullable": True,
-                                    },
-                                },
+                            "source": {"type": "string"},
+                            "params": {"type": "object"},
+                            "duration_seconds": {
+                                "type": "number",
+                                "nullable": True,
                             },
                         },
-                    }
+                    },
                 },
             },
             "LeaseRequest": {

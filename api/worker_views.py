@@ -302,9 +302,13 @@ def _claim(
 
 
 def _labels(body: dict) -> Labels:
-    """The labels the claim declares (none: {}), by ``batches.labels``' rules."""
+    """The labels the claim declares (no field: none), by ``batches.labels``'
+    rules; null is refused like any other non-object."""
+    value = body.get("labels", {})
     try:
-        return clean_labels(body.get("labels"), what="Field 'labels'")
+        if value is None:  # clean_labels' "no labels": not a JSON form of them
+            raise LabelError("Field 'labels' must be an object of KEY: VALUE strings")
+        return clean_labels(value, what="Field 'labels'")
     except LabelError as error:
         raise bad_request(f"{error}.") from None
 

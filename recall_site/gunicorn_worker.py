@@ -1237,16 +1237,16 @@ class ThreadWorker(StockThreadWorker):
         self._wake()
         self._update()
 
-    def _shared_answer(self) -> tuple[float, int]:
+    def _shared_answer(self) -> tuple[float, int, list | None]:
         """The server's last probe answer: (``time.monotonic()`` when it was
-        asked, how many claims may find work); (0, 0) if there is none or a
-        probe is writing it."""
+        asked, how many claims may find work, the requirements of the batches
+        it is in); (0, 0, None) if there is none or a probe is writing it."""
         if self.shared is None:
             self.shared = open(probe_file(self.ppid), "a+b")  # noqa: SIM115
         try:
             fcntl.flock(self.shared, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return 0.0, 0
+            return 0.0, 0, None
         try:
             return read_answer(self.shared)
         finally:

@@ -43,6 +43,10 @@ BACKENDS = ("auto", "orm")  # the PostgreSQL statement backend, the ORM backend
 WORKERS = 3
 # (items, priority, durations known): one batch with durations for the ms sums.
 BATCHES = ((4, 0, True), (3, 5, False), (2, 0, False))
+# The labels claims declare and the requirements batches are given, by index:
+# some satisfy some, none satisfies all.
+LABELS = ({}, {"gpu": "a100"}, {"gpu": "a100", "model": "large-v3"}, {"cpu": "x86"})
+REQUIRES = ({}, {"gpu": "a100"}, {"gpu": "a100", "model": "large-v3"}, {"gpu": "h100"})
 
 TABLES = [
     WebhookDelivery,
@@ -132,16 +136,43 @@ class NoLease(Exception):
     """An operation on the k-th lease before any lease was handed out."""
 
 
-def _claim(world: World, w: int) -> Any:
+def _claim(world: World, w: int, labels: int | None = None) -> Any:
+    """A claim of worker ``w`` declaring ``LABELS[labels]`` (None: none)."""
     if not world.workers[w].is_active:
         return "forbidden"  # the API's 403: a disabled worker never claims
     job = transitions.claim_next(
-        world.workers[w], now=world.now, max_leases=world.max_leases
+        world.workers[w],
+        labels=None if labels is None else LABELS[labels],
+        now=world.now,
+        max_leases=world.max_leases,
     )
     if job is None:
         return None
+    return _leased(world, w, job)
+
+
+def _claim_many(world: World, w: int, n: int, labels: int | None = None) -> Any:
+    """Up to ``n`` jobs in one claim of worker ``w`` (``max_jobs``)."""
+    if not world.workers[w].is_active:
+        return "forbidden"
+    jobs = transitions.claim_many(
+        world.workers[w],
+        labels=None if labels is None else LABELS[labels],
+        max_jobs=n,
+        now=world.now,
+        max_leases=world.max_leases,
+    )
+    return [_leased(world, w, job) for job in jobs]
+
+
+def _leased(world: World, w: int, job: Job) -> Any:
     world.leases.append((job.pk, w, job.lease_token))
     return (job.pk, job.attempts, job.lease_expires_at, job.batch_id)
+
+
+def _require(world: World, b: int, r: int) -> None:
+    """Batch ``b`` requires ``REQUIRES[r]`` from now on (an operator's edit)."""
+    Batch.objects.filter(pk=_batch(world, b).pk).update(requires=REQUIRES[r])
 
 
 def _lease(world: World, k: int) -> tuple[int, Worker, str]:
@@ -357,6 +388,8 @@ def _exhaust(world: World, j: int) -> None:
 
 _APPLY = {
     "claim": _claim,
+    "claim_many": _claim_many,
+    "require": _require,
     "heartbeat": _heartbeat,
     "heartbeat_many": _heartbeat_many,
     "complete": _complete,

@@ -275,3 +275,39 @@ def test_simultaneous_max_jobs_claims_never_exceed_the_lease_cap(settings, backe
     assert Job.objects.filter(leased_by=worker, status=JobStatus.LEASED).count() == 5
     assert Lease.objects.count() == 5
     assert_consistent(later(1))
+
+
+# --- The OpenAPI description ---------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_the_openapi_description_covers_labels_and_max_jobs(api):
+    spec = api.client.get("/api/v1/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    request = schemas["ClaimRequest"]["properties"]
+    assert request["max_jobs"] == {
+        **request["max_jobs"],
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 32,
+    }
+    assert request["labels"]["maxProperties"] == 16
+    answer = spec["paths"]["/api/v1/claim"]["post"]["responses"]["200"]
+    one_of = answer["content"]["application/json"]["schema"]["oneOf"]
+    assert one_of == [
+        {"$ref": "#/components/schemas/Claimed"},
+        {"$ref": "#/components/schemas/ClaimedMany"},
+    ]
+    # Real answers have exactly the fields their schemas require.
+    make_batch(3)
+    job = schemas["LeasedJob"]
+    assert schemas["Claimed"]["properties"]["job"] == {
+        "$ref": "#/components/schemas/LeasedJob"
+    }
+    assert schemas["ClaimedMany"]["properties"]["jobs"]["maxItems"] == 32
+    single = api.claim().json()
+    many = api.post("/api/v1/claim", {"max_jobs": 2, "labels": {"gpu": "a100"}})
+    assert list(single) == schemas["Claimed"]["required"] == ["job"]
+    assert list(many.json()) == schemas["ClaimedMany"]["required"] == ["jobs"]
+    for answer in (single["job"], *many.json()["jobs"]):
+        assert sorted(answer) == sorted(job["required"]) == sorted(job["properties"])

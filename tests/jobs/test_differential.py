@@ -264,6 +264,29 @@ CASES = {
         ("cancel_queued", 2),
         ("claim", 0),  # at the cap with nothing claimable: nothing, not refused
     ],
+    "routing: labels, requirements, and many jobs in one claim": [
+        ("require", 1, 1),  # the priority-5 batch needs a GPU
+        ("claim", 0),  # no labels: a batch of priority 0
+        ("claim", 1, 1),  # a GPU: the priority-5 batch
+        ("cap", 2),
+        ("claim_many", 2, 4, 2),  # two, then the cap ends the run
+        ("claim_many", 2, 4, 2),  # at the cap with work left: refused
+        ("cap", 32),
+        ("require", 0, 2),
+        ("require", 2, 3),  # nobody offers an h100
+        ("claim", 0, 3),  # nothing it can serve
+        ("claim_many", 1, 3, 1),  # nothing left that a GPU alone serves
+        ("claim_many", 2, 3, 2),  # GPU and model: the rest of batch 0
+        ("complete", 0),
+        ("share", 0, 0, 2, 1),  # a capped batch: the ORM path
+        ("require", 1, 0),
+        ("tick", 61),
+        ("claim_many", 0, 2, 0),  # expired leases reclaimed first
+        ("require", 2, 0),
+        ("claim_many", 2, 32, 1),
+        ("disable", 1),
+        ("claim_many", 1, 2),
+    ],
 }
 
 
@@ -296,9 +319,21 @@ class BackendsAgree(RuleBasedStateMachine):
     def _do(self, *op):
         self.program.append(op)
 
-    @rule(w=st.integers(0, 2))
-    def claim(self, w):
-        self._do("claim", w)
+    @rule(w=st.integers(0, 2), labels=st.none() | st.integers(0, 3))
+    def claim(self, w, labels):
+        self._do("claim", w, labels)
+
+    @rule(
+        w=st.integers(0, 2),
+        n=st.sampled_from([1, 2, 3, 32]),
+        labels=st.none() | st.integers(0, 3),
+    )
+    def claim_many(self, w, n, labels):
+        self._do("claim_many", w, n, labels)
+
+    @rule(b=st.integers(0, 2), r=st.integers(0, 3))
+    def require(self, b, r):
+        self._do("require", b, r)
 
     @rule(k=st.integers(0, 50), stranger=st.none() | st.integers(0, 2))
     def heartbeat(self, k, stranger):

@@ -178,6 +178,7 @@ VALUE_RULE = "must be 1 to 63 characters of A-Z, a-z, 0-9 and '_.:/-'"
         (["gpu"], "Field 'labels' must be an object of KEY: VALUE strings."),
         (5, "Field 'labels' must be an object of KEY: VALUE strings."),
         (True, "Field 'labels' must be an object of KEY: VALUE strings."),
+        (None, "Field 'labels' must be an object of KEY: VALUE strings."),
         ({"GPU": "a100"}, f"Field 'labels': key 'GPU' {KEY_RULE}."),
         ({"": "a100"}, f"Field 'labels': key '' {KEY_RULE}."),
         ({"-gpu": "a100"}, f"Field 'labels': key '-gpu' {KEY_RULE}."),
@@ -216,8 +217,8 @@ def test_a_claim_declares_its_labels_and_gets_only_work_they_serve(api):
     assert plain.json()["job"]["batch"]["name"] == "anyone"
     assert routed.json()["job"]["batch"] == {"id": gpu.pk, "name": "gpu"}
     assert Worker.objects.get(pk=api.worker.pk).labels == labels
-    # null declares none, like no field at all; nothing left for none: 204.
-    assert api.post("/api/v1/claim", {"labels": None}).status_code == 204
+    # No field declares none; nothing left for none: 204.
+    assert api.post("/api/v1/claim", {"wait_seconds": 0}).status_code == 204
     assert Worker.objects.get(pk=api.worker.pk).labels == {}
 
 

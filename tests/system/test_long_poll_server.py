@@ -413,3 +413,46 @@ def test_a_server_killed_outright_leaves_files_the_next_one_removes(tmp_path):
         removed = log.read_text().count("left by a server no longer running")
         assert removed == len(left) + 1
         woken_by_a_new_batch(port)
+
+
+def test_only_a_waiting_claim_that_can_serve_the_work_is_woken_for_it(server):
+    """Two claims wait: the older one offers no labels, the newer one a GPU and
+    asks for up to 3 jobs. A batch that requires the GPU comes: the newer
+    claim gets both its jobs at once ({"jobs": [...]}), and the older one is
+    not handed them, nor answered early: it waits its whole wait for a 204."""
+    _, port = server
+    plain, gpu = make_worker("plain"), make_worker("gpu")
+    batch = make_batch(2, now=timezone.now())
+    transitions.pause_batch(batch)
+    batch.__class__.objects.filter(pk=batch.pk).update(requires={"gpu": "a100"})
+    answers: dict = {}
+
+    def wait(worker, body):
+        answers[worker.name] = post(port, worker, "claim", body)
+
+    threads = [
+        threading.Thread(target=wait, args=(plain, {"wait_seconds": 4})),
+        threading.Thread(
+            target=wait,
+            args=(gpu, {"wait_seconds": 20, "labels": {"gpu": "a100"}, "max_jobs": 3}),
+        ),
+    ]
+    threads[0].start()
+    parked(plain)
+    threads[1].start()
+    parked(gpu)
+    transitions.resume_batch(batch)
+    resumed = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=40)
+
+    status, body, _ = answers["gpu"]
+    assert status == 200
+    assert sorted(job["id"] for job in body["jobs"]) == [j.pk for j in jobs_of(batch)]
+    assert time.monotonic() - resumed >= 0  # (the plain claim's wait, below)
+    status, body, took = answers["plain"]
+    assert (status, body) == (204, None)
+    assert took >= 4
+    assert not Job.objects.filter(leased_by=plain).exists()
+    assert Worker.objects.get(pk=gpu.pk).labels == {"gpu": "a100"}
+    assert_consistent(timezone.now())
