@@ -16,6 +16,7 @@ from django.views.decorators.http import require_GET
 
 from api import worker_openapi
 from api.operator_views import MAX_SEARCH_CHARS, PAGE_SIZE
+from batches.labels import KEY, MAX_LABELS, VALUE
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from engine.progress import BatchState
 from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
@@ -264,6 +265,22 @@ COUNTS = {
     "required": list(ItemStatus.values),
     "properties": {s: {"type": "integer", "minimum": 0} for s in ItemStatus.values},
 }
+# What a batch requires of workers (``batches.labels``): keys match
+# KEY.pattern (OpenAPI 3.0 cannot say so of property names), values VALUE's.
+REQUIRES: dict[str, Any] = {
+    "type": "object",
+    "maxProperties": MAX_LABELS,
+    "additionalProperties": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": 63,
+        "pattern": f"^{VALUE.pattern}$",
+    },
+    "description": f"Worker labels a worker must declare, each key with exactly "
+    f"this value, to claim the batch's jobs; {{}} lets any worker claim them. "
+    f"Keys match ^{KEY.pattern}$, at most {MAX_LABELS} labels.",
+    "example": {"gpu": "a100", "model": "large-v3"},
+}
 BATCH = {
     "type": "object",
     "additionalProperties": False,
@@ -284,6 +301,8 @@ BATCH = {
         "in_flight",
         "silent",
         "retry",
+        "requires",
+        "waiting_for_worker",
     ],
     "properties": {
         "id": {"type": "integer"},
@@ -296,7 +315,13 @@ BATCH = {
         "counts": COUNTS,
         "percent_done": {"type": "number", "minimum": 0, "maximum": 100},
         "throughput_per_minute": {"type": "number", "nullable": True},
-        "eta_seconds": {"type": "integer", "nullable": True},
+        "eta_seconds": {
+            "type": "integer",
+            "nullable": True,
+            "description": "Seconds until done at the recent rate; null when "
+            "unknown (no recent throughput, paused, cancelled, or "
+            "waiting_for_worker).",
+        },
         "weight": {"type": "integer", "minimum": 1, "maximum": MAX_WEIGHT},
         "max_in_flight": {"type": "integer", "nullable": True},
         "in_flight": {"type": "integer", "minimum": 0},
@@ -319,6 +344,14 @@ BATCH = {
             "description": "Set when no queued item can be claimed yet because "
             "each waits out the backoff after a retryable failure: how many, "
             "and seconds until the first may be claimed. Null otherwise.",
+        },
+        "requires": REQUIRES,
+        "waiting_for_worker": {
+            "type": "boolean",
+            "description": "True when the batch is open with queued items and no "
+            "active worker whose labels satisfy 'requires' has claimed or polled "
+            "within the workers page's online window (the lease length plus 60 "
+            "s): nobody can take its work. Its eta_seconds is then null.",
         },
     },
 }
@@ -405,6 +438,12 @@ SCHEMAS = {
                 "minimum": 1,
                 "maximum": MAX_IN_FLIGHT,
                 "nullable": True,
+            },
+            "requires": {
+                **REQUIRES,
+                "nullable": True,
+                "description": REQUIRES["description"] + " Default {}; anything "
+                "else that breaks these rules is 400 bad_request.",
             },
             "items": {
                 "type": "array",

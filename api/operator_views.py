@@ -24,6 +24,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from api.jsonapi import ApiError, bad_request, field, json_object_body
 from api.worker_views import MAX_DB_ID
+from batches.labels import LabelError, clean_labels
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, Batch, BatchItem, ItemStatus
 from batches.numbers import whole_number
 from batches.streaming import EXPORTS, export_response
@@ -46,7 +47,9 @@ READ = "batches.view_batch"
 SUBMIT = "batches.add_batch"
 OPERATE = "batches.operate_batch"
 EXPORT = "batches.export_batch"
-BATCH_FIELDS = frozenset({"name", "priority", "weight", "max_in_flight", "items"})
+BATCH_FIELDS = frozenset(
+    {"name", "priority", "weight", "max_in_flight", "requires", "items"}
+)
 MAX_SEARCH_CHARS = 200
 # A request starts no new chunk of a cancel after this long (as the UI's).
 ACTION_SECONDS = 20
@@ -133,7 +136,8 @@ def _unauthorized(detail: str) -> ApiError:
 
 
 def batch_json(batch: Batch, progress) -> dict:
-    """The progress.json object, plus the batch's id, name and creation time."""
+    """The progress.json object (``requires`` and ``waiting_for_worker``
+    included), plus the batch's id, name, creation time and priority."""
     return {
         "id": batch.pk,
         "name": batch.name,
@@ -268,6 +272,10 @@ def batch_create(request: HttpRequest, user, *, now: datetime) -> HttpResponse:
     priority = _int(body, "priority", -32768, 32767, default=0)
     weight: int = _int(body, "weight", 1, MAX_WEIGHT, default=1)
     max_in_flight = _int(body, "max_in_flight", 1, MAX_IN_FLIGHT, default=None)
+    try:
+        requires = clean_labels(body.get("requires"), what="Field 'requires'")
+    except LabelError as error:
+        raise bad_request(f"{error}.") from None
 
     def create() -> Batch:
         return create_batch_from_items(
@@ -278,6 +286,7 @@ def batch_create(request: HttpRequest, user, *, now: datetime) -> HttpResponse:
             max_in_flight=max_in_flight,
             created_by=user,
             now=now,
+            requires=requires,
         )
 
     try:

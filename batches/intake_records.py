@@ -39,6 +39,8 @@ class Intake(models.Model):
     priority = models.SmallIntegerField(default=0)
     weight = models.PositiveSmallIntegerField(default=1)
     max_in_flight = models.PositiveIntegerField(null=True, blank=True)
+    # The worker labels the batch will require (``batches.labels``), as asked.
+    requires = models.JSONField(default=dict, blank=True, decoder=StoredJSONDecoder)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
         null=True,

@@ -1,13 +1,61 @@
-"""The operator pages' forms: a new batch, its share of the workers, item filters."""
+"""The operator pages' forms: a new batch, its share of the workers and the
+worker labels it requires, item filters."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
 
 from django import forms
 from django.conf import settings
 from django.template.defaultfilters import filesizeformat
 
+from batches.labels import MAX_LABELS, LabelError, format_pairs, parse_pairs
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from engine.manifests import MAX_NAME_CHARS
+
+# Pairs are written one per line or separated by commas (a value never holds one).
+PAIR_SEPARATOR = re.compile(r"[,\n]")
+
+
+class RequiresField(forms.CharField):
+    """Worker labels a batch requires, typed as ``key=value`` pairs, one per
+    line or comma-separated; cleaned to a dict by ``batches.labels`` (its
+    message is the form error). Empty: any worker."""
+
+    widget = forms.Textarea(attrs={"rows": 2, "spellcheck": "false"})
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("label", "Requires")
+        kwargs.setdefault(
+            "help_text",
+            f"Worker labels a worker must offer to take this batch's jobs, as "
+            f"key=value (e.g. gpu=a100, model=large-v3), one per line or "
+            f"comma-separated, at most {MAX_LABELS}. Empty: any worker.",
+        )
+        super().__init__(strip=True, **kwargs)
+
+    def prepare_value(self, value: Any) -> Any:
+        return format_pairs(value) if isinstance(value, Mapping) else value
+
+    def to_python(self, value: Any) -> dict[str, str]:  # type: ignore[override]
+        if isinstance(value, Mapping):
+            return dict(value)
+        text = super().to_python(value) or ""
+        if "\x00" in text:
+            raise forms.ValidationError("Requires must not contain NUL characters.")
+        try:
+            return parse_pairs(PAIR_SEPARATOR.split(text), what="requires")
+        except LabelError as error:
+            raise forms.ValidationError(str(error)) from None
+
+    def has_changed(self, initial: Any, data: Any) -> bool:
+        try:
+            return self.to_python(data) != (initial or {})
+        except forms.ValidationError:
+            return True
 
 
 class ShareFields(forms.Form):
@@ -44,10 +92,25 @@ class ShareForm(ShareFields):
     """The batch page's form to change a batch's share."""
 
 
+class RequiresForm(forms.Form):
+    """The batch page's form to change the worker labels a batch requires."""
+
+    requires = RequiresField()
+
+
 class NewBatchForm(ShareFields):
-    field_order = ["name", "priority", "weight", "max_in_flight", "manifest", "sources"]
+    field_order = [
+        "name",
+        "priority",
+        "weight",
+        "max_in_flight",
+        "requires",
+        "manifest",
+        "sources",
+    ]
 
     name = forms.CharField(max_length=MAX_NAME_CHARS, strip=True)
+    requires = RequiresField()
     manifest = forms.FileField(
         required=False,
         help_text=(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import IO
 
@@ -28,6 +28,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from batches.intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
+from batches.labels import clean_labels
 from batches.models import Batch
 from engine.manifests import ManifestInvalid, check_name, create_batch
 from jobs import transitions
@@ -57,6 +58,7 @@ def start_intake(
     max_in_flight: int | None = None,
     created_by=None,
     now: datetime | None = None,
+    requires: Mapping[str, str] | None = None,
 ) -> Intake:
     """Store the upload and queue its intake; return the Intake to follow.
 
@@ -71,6 +73,7 @@ def start_intake(
             priority=priority,
             weight=weight,
             max_in_flight=max_in_flight,
+            requires=clean_labels(requires, what="requires"),
             created_by=created_by,
             created_at=now,
             updated_at=now,
@@ -124,6 +127,7 @@ def run_intake(intake_id: int, *, now: datetime | None = None) -> str:
                 max_in_flight=intake.max_in_flight,
                 created_by=intake.created_by,
                 on_created=lambda batch: _finish(intake, batch),
+                requires=intake.requires,
             )
         except ManifestInvalid as invalid:
             _fail(intake, errors=invalid.errors, total=invalid.total_errors)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db.models import Count, Exists, Min, OuterRef, Q, Subquery, Sum
 
 from batches.models import Batch, BatchCounter, BatchMinute
@@ -27,6 +26,7 @@ from engine.progress import (
     throughput_per_minute,
     window_seconds,
 )
+from engine.waiting import Offers, seen_recently
 from jobs import transitions
 from jobs.models import (
     ITEM_STATUS_FOR_JOB,
@@ -127,11 +127,35 @@ def batch_states(now: datetime) -> dict[str, int]:
     return counts
 
 
-def open_progress(now: datetime) -> list[Progress]:
+def open_progress(now: datetime, offers: Offers | None = None) -> list[Progress]:
     """Progress of the unsettled batches, by priority then age."""
     batches = list(unsettled_batches())
-    progress = progress_for_many(batches, now=now)
+    progress = progress_for_many(batches, now=now, offers=offers)
     return [progress[b.pk] for b in batches]
+
+
+def waiting_for_worker(now: datetime, offers: Offers | None = None) -> int:
+    """How many batches wait for a worker (``engine.waiting``): open, with
+    queued items, and no worker online offers what they require. One query
+    groups those batches by requirement set (an index probe of the counter
+    rows per open batch), one more reads the labels of the workers online;
+    each distinct set is judged once."""
+    offers = Offers(now) if offers is None else offers
+    queued = BatchCounter.objects.filter(batch=OuterRef("pk"), queued__gt=0)
+    groups = (
+        Batch.objects.open()
+        .filter(Exists(queued))
+        .values("requires")
+        .annotate(n=Count("pk"))
+        .values_list("requires", "n")
+        .order_by()
+    )
+    return sum(
+        n
+        for requires, n in groups
+        if offers.waiting_for(requires if isinstance(requires, dict) else {})
+        is not None
+    )
 
 
 def oldest_queued_age(now: datetime) -> float:
@@ -184,20 +208,6 @@ def leases_past_expiry(now: datetime) -> int:
 
 
 # --- Workers ------------------------------------------------------------------------
-
-
-def seen_recently() -> timedelta:
-    """How recently an idle worker must have called the API.
-
-    A working worker heartbeats every third of a lease, and the reference
-    worker polls an empty queue at least every 30 s (``--poll-max``); a worker
-    that was silent for a whole lease would have lost any lease it held.
-    ``last_seen`` is written at most every ``Worker.LAST_SEEN_RESOLUTION``
-    (60 s), so that much slack is added: 120 s with the default 60 s leases.
-    """
-    return timedelta(seconds=settings.RECALL_LEASE_SECONDS) + (
-        Worker.LAST_SEEN_RESOLUTION
-    )
 
 
 def worker_states(now: datetime) -> dict[str, int]:

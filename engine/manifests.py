@@ -18,7 +18,7 @@ import csv
 import re
 import unicodedata
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 
@@ -366,6 +366,7 @@ def create_batch(
     created_by=None,
     now=None,
     on_created: Callable[[Batch], None] | None = None,
+    requires: Mapping[str, str] | None = None,
 ) -> Batch:
     """Validate the manifest, then create the batch, items, jobs and counters.
 
@@ -389,6 +390,7 @@ def create_batch(
         created_by=created_by,
         now=now,
         on_created=on_created,
+        requires=requires,
     )
 
 
@@ -515,6 +517,7 @@ def create_batch_from_items(
     max_in_flight: int | None = None,
     created_by=None,
     now=None,
+    requires: Mapping[str, str] | None = None,
 ) -> Batch:
     """Like ``create_batch``, from items given as data. Raises ManifestInvalid
     (the name) or ItemsInvalid (every bad item, by index), having created
@@ -531,6 +534,7 @@ def create_batch_from_items(
         max_in_flight=max_in_flight,
         created_by=created_by,
         now=now,
+        requires=requires,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -29,7 +30,9 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
+from batches.labels import format_pairs
 from batches.models import Batch, BatchCounter, BatchMinute, ItemStatus
+from engine.waiting import Offers, seen_recently
 from jobs.models import Job, JobStatus
 from jobs.transitions.rules import silent_after
 
@@ -237,6 +240,17 @@ def format_duration(seconds: float | None) -> str:
     return f"{days} d {hours} h"
 
 
+def waiting_text(unoffered: Mapping[str, str], seen_within: timedelta) -> str:
+    """Why a batch waits for a worker, in words: the labels nobody online
+    offers, or that no worker is online at all."""
+    if unoffered:
+        return f"Waiting for a worker with {format_pairs(unoffered)}"
+    return (
+        f"Waiting for a worker: none was seen in the last "
+        f"{format_duration(seen_within.total_seconds())}"
+    )
+
+
 def retry_in_seconds(first_due: datetime, now: datetime) -> int:
     """Whole seconds until a backed-off item may be claimed again (rounded
     up, at least 0)."""
@@ -279,11 +293,30 @@ class Progress:
     # Read for the JSON only (``retry=True``): set when every queued item waits
     # out a retry backoff, so the batch waits for time, not for workers.
     retry: RetryWait | None = None
+    # Set when the batch waits for a worker (``engine.waiting``): the labels
+    # nobody online offers ({} when no worker is online at all).
+    unoffered: dict[str, str] | None = None
+    # The "online" window it was judged by.
+    seen_within: timedelta = field(default_factory=seen_recently)
+
+    @property
+    def waiting_for_worker(self) -> bool:
+        return self.unoffered is not None
+
+    @property
+    def waiting_text(self) -> str:
+        """'Waiting for a worker with model=large-v3' (empty when not waiting)."""
+        if self.unoffered is None:
+            return ""
+        return waiting_text(self.unoffered, self.seen_within)
 
     @property
     def eta_text(self) -> str:
-        """The ETA as shown: none once nothing is left to do."""
+        """The ETA as shown: none once nothing is left to do, nor while the
+        batch waits for a worker (``eta_basis`` says why)."""
         if self.state == BatchState.FINISHED and self.eta_seconds == 0:
+            return "—"
+        if self.waiting_for_worker:
             return "—"
         return format_duration(self.eta_seconds)
 
@@ -323,20 +356,44 @@ class Progress:
             # Of in_flight, the leases whose worker stopped heartbeating.
             "silent": self.silent,
             "retry": self.retry.as_json() if self.retry else None,
+            # Added by routing (issue 26).
+            "requires": requires_of(self.batch),
+            "waiting_for_worker": self.waiting_for_worker,
         }
 
 
+def requires_of(batch: Batch) -> dict[str, str]:
+    """The worker labels the batch requires ({} for none)."""
+    requires = batch.requires
+    return dict(requires) if isinstance(requires, Mapping) else {}
+
+
 def progress_for(
-    batch: Batch, *, now: datetime, chart: bool = False, retry: bool = False
+    batch: Batch,
+    *,
+    now: datetime,
+    chart: bool = False,
+    retry: bool = False,
+    offers: Offers | None = None,
 ) -> Progress:
-    return progress_for_many([batch], now=now, chart=chart, retry=retry)[batch.pk]
+    return progress_for_many([batch], now=now, chart=chart, retry=retry, offers=offers)[
+        batch.pk
+    ]
 
 
 def progress_for_many(
-    batches: list[Batch], *, now: datetime, chart: bool = False, retry: bool = False
+    batches: list[Batch],
+    *,
+    now: datetime,
+    chart: bool = False,
+    retry: bool = False,
+    offers: Offers | None = None,
 ) -> dict[int, Progress]:
-    """Progress of several batches in three or four queries in all; with
-    ``retry``, up to two more for those waiting out a retry backoff."""
+    """Progress of several batches in three or four queries in all; one more
+    for the labels of the workers online when some batch has queued work
+    (``offers``, if given, is read once for a whole request); with ``retry``,
+    up to two more for those waiting out a retry backoff."""
+    offers = Offers(now) if offers is None else offers
     ids = [b.pk for b in batches]
     counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     columns = [
@@ -420,7 +477,14 @@ def progress_for_many(
             stalled=stalled,
         )
         seconds = window_seconds(now, rate_start, batch.created_at)
-        eta, basis = _eta(batch, state, c, f, seconds)
+        unoffered = None
+        if c[ItemStatus.QUEUED] and state in (BatchState.RUNNING, BatchState.STALLED):
+            unoffered = offers.waiting_for(requires_of(batch))
+        if unoffered is not None:
+            why = waiting_text(unoffered, seen_recently())
+            eta, basis = None, f"Unknown: {why[0].lower()}{why[1:]}."
+        else:
+            eta, basis = _eta(batch, state, c, f, seconds)
         if state == BatchState.FINISHED:
             # Fixed once finished: its whole run, up to the finishing moment.
             end = batch.finished_at or last_activity or now
@@ -445,6 +509,7 @@ def progress_for_many(
             chart=chart_bars(done_by_minute[batch.pk], now, 60) if chart else [],
             silent=silent.get(batch.pk, 0),
             throughput_window=throughput_window,
+            unoffered=unoffered,
         )
     if retry:
         for batch_id, wait in retry_waits(result, now=now).items():

@@ -38,3 +38,15 @@ class WorkerDisabled(Exception):
 
 class InvalidTransition(Exception):
     """The job is not in a state that allows the requested change."""
+
+
+class BatchClosed(InvalidTransition):
+    """The batch is finished or cancelled: what it requires of workers is
+    fixed (nothing of it will be claimed again)."""
+
+    def __init__(self, batch_id: int, why: str):
+        self.batch_id = batch_id
+        super().__init__(
+            f"Batch {batch_id} is {why}: its requirements can be changed only "
+            f"while it is open."
+        )

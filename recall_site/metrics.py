@@ -109,6 +109,16 @@ def batches(scrape: Scrape) -> Metric:
 
 
 @family
+def batches_waiting_for_worker(scrape: Scrape) -> Metric:
+    return GaugeMetricFamily(
+        "recall_batches_waiting_for_worker",
+        "Open batches with queued items that no worker seen recently can take "
+        "(none offers the labels they require); 0 if none.",
+        value=fleet.waiting_for_worker(scrape.now),
+    )
+
+
+@family
 def oldest_queued(scrape: Scrape) -> Metric:
     return GaugeMetricFamily(
         "recall_oldest_queued_seconds",

@@ -3,8 +3,10 @@
 A fresh demo database (SQLite, under var/demo/, apart from `make run`'s), a
 demo admin login, demo batches with a few hundred items that have durations,
 gunicorn and the django-q2 cluster, and three reference workers with the
-simulated engine. One of them is killed with SIGKILL and restarted every so
-often, so its leases expire and are reclaimed while you watch. Leases are short
+simulated engine. Routing: one batch requires the label model=large-v3, which
+only worker gpu-1 offers (``--label``), so only gpu-1 takes its jobs. One of
+the workers is killed with SIGKILL and restarted every so often, so its leases
+expire and are reclaimed while you watch. Leases are short
 (RECALL_LEASE_SECONDS=15) so that happens within seconds.
 
 The terminal shows the URL, the login, progress, and every kill and reclaim;
@@ -52,6 +54,15 @@ LEASE_SECONDS = 15
 PROGRESS_EVERY = 10.0
 RESTART_AFTER = 5.0
 ADMIN = "demo"
+# Routing: the labels each demo worker offers with its claims, and the batch
+# that requires one only gpu-1 offers.
+WORKER_LABELS = {
+    "gpu-1": {"gpu": "a100", "model": "large-v3"},
+    "gpu-2": {"gpu": "l4"},
+    "gpu-flaky": {"gpu": "l4"},
+}
+ROUTED_BATCH = "Demo: lectures (large-v3 only)"
+ROUTED_REQUIRES = {"model": "large-v3"}
 
 
 def say(message: str) -> None:
@@ -126,7 +137,7 @@ def set_up() -> tuple[str, dict[str, str]]:
     password = secrets.token_urlsafe(9)
     get_user_model().objects.create_superuser(ADMIN, "demo@example.com", password)
     tokens = {}
-    for name in ("gpu-1", "gpu-2", "gpu-flaky"):
+    for name in WORKER_LABELS:
         _, tokens[name] = transitions.create_worker(name)
     hours = manifest(VAR / "interviews.csv", "interview", ITEMS, 5, 300)
     create_batch("Demo: field interviews", file_lines(VAR / "interviews.csv"))
@@ -135,10 +146,16 @@ def set_up() -> tuple[str, dict[str, str]]:
     create_batch(
         "Demo: press calls (urgent)", file_lines(VAR / "press.csv"), priority=10
     )
-    say(
-        f"created 2 batches: {ITEMS} interviews and {urgent} urgent press calls, "
-        f"{hours:.1f} hours of audio"
+    lectures = max(5, ITEMS // 10)
+    hours += manifest(VAR / "lectures.csv", "lecture", lectures, 13, 240)
+    create_batch(
+        ROUTED_BATCH, file_lines(VAR / "lectures.csv"), requires=ROUTED_REQUIRES
     )
+    say(
+        f"created 3 batches: {ITEMS} interviews, {urgent} urgent press calls and "
+        f"{lectures} lectures, {hours:.1f} hours of audio"
+    )
+    say(f"routing: {routing_sentence()}")
     # The operator API: a token for the demo login and a manifest to submit.
     from operator_api.tokens import issue_token
 
@@ -150,6 +167,48 @@ def set_up() -> tuple[str, dict[str, str]]:
     manifest(VAR / "pipeline.csv", "pipeline", 20, 11, 30)
     connections.close_all()
     return password, tokens
+
+
+def pairs(labels: dict[str, str]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def routing_sentence() -> str:
+    """What the demo shows of routing, in words: which batch requires what,
+    and which worker alone offers it."""
+    offering = [
+        name
+        for name, labels in WORKER_LABELS.items()
+        if all(labels.get(k) == v for k, v in ROUTED_REQUIRES.items())
+    ]
+    return (
+        f"{ROUTED_BATCH!r} requires {pairs(ROUTED_REQUIRES)}, which only worker "
+        f"{' and '.join(offering)} offers (--label {pairs(ROUTED_REQUIRES)}): "
+        f"only it takes that batch's jobs"
+    )
+
+
+def routed_progress() -> str | None:
+    """The routed batch's progress and who did its jobs, from the ledger."""
+    from batches.models import Batch
+    from jobs.models import Lease, LeaseEnd
+
+    batch = Batch.objects.filter(name=ROUTED_BATCH).first()
+    if batch is None:
+        return None
+    counts = batch.counts()
+    done_by = sorted(
+        set(
+            Lease.objects.filter(
+                job__batch=batch, end_reason=LeaseEnd.COMPLETED
+            ).values_list("worker__name", flat=True)
+        )
+    )
+    by = f", all by {' and '.join(done_by)}" if done_by else ""
+    return (
+        f"routing: {batch.name} ({pairs(batch.requires)}): "
+        f"{counts['done']}/{batch.total} done{by}"
+    )
 
 
 def stop(child: Process, timeout: float) -> None:
@@ -193,6 +252,7 @@ class Demo:
                     f"--simulate-factor={SPEED}",
                     "--simulate-fail-rate=0.03",
                     "--poll-max=5",
+                    *(f"--label={k}={v}" for k, v in WORKER_LABELS[name].items()),
                 ],
                 env={"RECALL_URL": url, "RECALL_TOKEN": token},
             )
@@ -317,6 +377,8 @@ class Demo:
             f"{c['queued']} queued · {c['failed']} failed · audio "
             f"{c['done_ms'] / 3.6e6:.1f} of {hours:.1f} h{left}"
         )
+        if routed := routed_progress():
+            say(routed)
         if not self.finished and c["queued"] == 0 and c["transcribing"] == 0:
             self.finished = True
             say("every item is finished; Recall keeps running until Ctrl-C")
@@ -433,6 +495,7 @@ def banner(url: str, password: str) -> None:
             f"  Login: {ADMIN} / {password}   (demo only)\n"
             f"  Leases last {LEASE_SECONDS}s. Three simulated workers run 2 jobs "
             f"each; gpu-flaky is SIGKILLed about every {KILL_EVERY:g}s.\n"
+            f"  Routing: {routing_sentence()}.\n"
             f"  Logs: var/demo/logs/   Ctrl-C stops everything.\n"
             f"  Operator API: RECALL_URL={url} "
             f"RECALL_API_TOKEN=$(cat var/demo/api_token) \\\n"

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -56,6 +57,42 @@ def test_create_batch_prints_the_batch_id_last(tmp_path):
         2,
         7000,
     )
+
+
+def test_create_batch_takes_requirements(tmp_path):
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("/a.wav\n")
+
+    out, _ = run(
+        "create_batch",
+        "Routed",
+        str(manifest),
+        "--require",
+        "model=large-v3",
+        "--require",
+        "gpu=a100",
+    )
+
+    batch = Batch.objects.get(pk=int(out.strip().splitlines()[-1]))
+    assert batch.requires == {"gpu": "a100", "model": "large-v3"}
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [
+        (["gpu"], "--require: 'gpu' is not KEY=VALUE."),
+        (["gpu=a100", "gpu=h100"], "--require: 'gpu' is given twice."),
+        (["gpu=a 100"], "--require: value of 'gpu' must be 1 to 63 characters"),
+    ],
+)
+def test_create_batch_with_bad_requirements_creates_nothing(tmp_path, pairs, message):
+    manifest = tmp_path / "m.txt"
+    manifest.write_text("/a.wav\n")
+    args = [arg for pair in pairs for arg in ("--require", pair)]
+
+    with pytest.raises(CommandError, match=re.escape(message)):
+        run("create_batch", "x", str(manifest), *args)
+    assert not Batch.objects.exists()
 
 
 def test_create_batch_with_a_bad_manifest_creates_nothing(tmp_path):

@@ -2,9 +2,12 @@
 """Recall reference worker: claims transcription jobs from Recall and runs them.
 
 One file, Python 3.11+, standard library only: copy it onto any machine that can
-reach Recall and run it. It claims a job, runs the transcription engine, sends
-heartbeats on a background thread while the engine works, and completes or
-fails the job; forever, until it is stopped. Run ``recall_worker.py --help`` for
+reach Recall and run it. It claims jobs (as many in one call as it has free
+slots, declaring its ``--label`` s), runs the transcription engine on each,
+heartbeats all its leases in one call per interval on a background thread
+while the engines work, and completes or fails each job; forever, until it is
+stopped. Against a server without those calls for many leases it uses the
+single ones. Run ``recall_worker.py --help`` for
 every option; Recall's docs/reference/worker.md explains the rest.
 
 Guarantees it keeps, and why:
@@ -88,6 +91,11 @@ MAX_RETRY_AFTER_SECONDS = 300.0
 MAX_SEGMENT_SECONDS = 10_000_000
 # The server refuses a body nesting arrays and objects deeper than this.
 MAX_JSON_DEPTH = 32
+
+# Calls for many leases at once: the most leases one batched heartbeat names
+# (the server's limit), and the most jobs one claim asks for.
+MAX_HEARTBEAT_LEASES = 64
+MAX_CLAIM_JOBS = 32
 
 # Environment variables the engine subprocess must not inherit (its token).
 PRIVATE_ENV_PREFIXES = ("RECALL_TOKEN", "RECALL_WORKER_")
@@ -190,6 +198,48 @@ def safe_url(url: str) -> str:
     if parsed.port is not None:
         netloc += f":{parsed.port}"
     return urllib.parse.urlunsplit(parsed._replace(netloc=netloc))
+
+
+# --- Labels -----------------------------------------------------------------------
+#
+# The server's rules for labels (Recall's batches/labels.py), repeated here
+# because this file runs alone, without Recall installed; a test checks that
+# both accept and refuse the same labels.
+
+LABEL_KEY = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+LABEL_VALUE = re.compile(r"[A-Za-z0-9_.:/-]{1,63}")
+MAX_LABELS = 16
+
+
+def parse_labels(pairs: list[str]) -> dict[str, str]:
+    """``["gpu=a100", "model=large-v3"]`` as labels; ValueError saying what is
+    wrong for a pair without ``=``, a key given twice, a bad key or value, or
+    more than MAX_LABELS labels."""
+    labels: dict[str, str] = {}
+    for pair in pairs:
+        pair = pair.strip()
+        if not pair:
+            continue
+        key, sep, value = pair.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            raise ValueError(f"{pair!r} is not KEY=VALUE")
+        if key in labels:
+            raise ValueError(f"{key!r} is given twice")
+        if not LABEL_KEY.fullmatch(key):
+            raise ValueError(
+                f"key {key!r} must be 1 to 63 characters of a-z, 0-9, '_', '.' "
+                "and '-', starting with a letter or digit"
+            )
+        if not LABEL_VALUE.fullmatch(value):
+            raise ValueError(
+                f"value of {key!r} must be 1 to 63 characters of A-Z, a-z, 0-9 "
+                "and '_.:/-'"
+            )
+        labels[key] = value
+    if len(labels) > MAX_LABELS:
+        raise ValueError(f"at most {MAX_LABELS} labels, got {len(labels)}")
+    return dict(sorted(labels.items()))
 
 
 # --- Errors ---------------------------------------------------------------------
@@ -1183,70 +1233,351 @@ class Settings:
     http_timeout: float = 30.0
     wait_seconds: float = 25.0
     source_root: SourceRoot | None = None
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-class Slot(threading.Thread):
-    """One job at a time, forever: claim, run, heartbeat, complete or fail.
+class ServerForms:
+    """Which forms of the calls for many leases the server takes. A server
+    older than them answers 400 (or 404: no such path) to a claim with
+    ``max_jobs`` or to the batched heartbeat; from then on this worker uses
+    the single forms with it (one job per claim, one heartbeat per lease)
+    until it restarts."""
 
-    ``--concurrency N`` runs N slots; each holds its own lease.
+    def __init__(self) -> None:
+        self.many_jobs_per_claim = True
+        self.batched_heartbeats = True
+
+    def single_claims(self, error: ApiError) -> None:
+        if self.many_jobs_per_claim:
+            self.many_jobs_per_claim = False
+            log.warning(
+                "the server refused a claim of several jobs (%s): claiming one "
+                "job per call from now on",
+                error,
+            )
+
+    def single_heartbeats(self, error: ApiError) -> None:
+        if self.batched_heartbeats:
+            self.batched_heartbeats = False
+            log.warning(
+                "the server refused a batched heartbeat (%s): heartbeating each "
+                "lease on its own from now on",
+                error,
+            )
+
+
+def many_forms_refused(error: ApiError) -> bool:
+    """An answer that says the server does not know a call's many-lease form."""
+    return isinstance(error, Rejected) and error.status in (400, 404)
+
+
+class Lease:
+    """One job's live lease while a slot works on it: what its heartbeats
+    found (lost, or the worker refused), and how to stop its engine."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.cancel = Cancellation()
+        self.done = threading.Event()  # the slot finished with the job
+        self.lost: str | None = None
+        self.refused: Refused | None = None
+        self.thread: Heartbeat | None = None  # its own heartbeat, if single
+
+    def lose(self, why: str) -> None:
+        """The server says the lease is not ours: stop the engine."""
+        if self.done.is_set() or self.lost is not None:
+            return  # the job ended meanwhile: nothing to abandon
+        self.lost = why
+        log.warning("%s lease lost on heartbeat: stopping the engine", self.job.tag)
+        self.cancel.cancel("lease lost")
+
+    def refuse(self, error: Refused) -> None:
+        self.refused = error
+        self.cancel.cancel("refused")
+
+
+class Heartbeats(threading.Thread):
+    """Keeps every lease of this worker alive: one batched heartbeat per
+    interval for all of them (``POST /heartbeat``), each lease answered alone;
+    against a server that does not take it, a thread per lease heartbeating
+    it on its own (``Heartbeat``).
+
+    A lease the server says is lost (or whose job is gone) has its engine
+    killed at once and its job abandoned. Network trouble is retried within
+    the interval; the leases stay live on the server until they are reclaimed,
+    so a late heartbeat may still save them.
+    """
+
+    def __init__(self, api: Api, forms: ServerForms, shutdown: Shutdown):
+        super().__init__(name="heartbeats", daemon=True)
+        self.api, self.forms, self.shutdown = api, forms, shutdown
+        self._lock = threading.Condition()
+        self._leases: dict[int, Lease] = {}
+        self._due = math.inf  # when the next batched heartbeat is due (monotonic)
+        self._stopped = False
+
+    def add(self, lease: Lease) -> None:
+        with self._lock:
+            if self.forms.batched_heartbeats:
+                self._leases[lease.job.id] = lease
+                self._due = min(
+                    self._due, time.monotonic() + lease.job.heartbeat_interval
+                )
+                self._lock.notify_all()
+                return
+        self._alone(lease)
+
+    def remove(self, lease: Lease) -> None:
+        """The slot is done with the job: no more heartbeats for its lease."""
+        lease.done.set()
+        with self._lock:
+            self._leases.pop(lease.job.id, None)
+            if not self._leases:
+                self._due = math.inf  # the next lease starts its own interval
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+
+    def _alone(self, lease: Lease) -> None:
+        lease.thread = Heartbeat(lease, self.api)
+        lease.thread.start()
+
+    def run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and (
+                    not self._leases or time.monotonic() < self._due
+                ):
+                    self._lock.wait(
+                        None if not self._leases else self._due - time.monotonic()
+                    )
+                if self._stopped:
+                    return
+                leases = sorted(self._leases.values(), key=lambda lease: lease.job.id)
+                interval = min(lease.job.heartbeat_interval for lease in leases)
+                self._due = time.monotonic() + interval
+            for chunk in range(0, len(leases), MAX_HEARTBEAT_LEASES):
+                self._beat(leases[chunk : chunk + MAX_HEARTBEAT_LEASES], interval)
+
+    def _beat(self, leases: list[Lease], interval: float) -> None:
+        """One batched heartbeat of ``leases``, retried within the interval."""
+        body = {
+            "leases": [
+                {"job_id": lease.job.id, "lease_token": lease.job.lease_token}
+                for lease in leases
+            ]
+        }
+
+        def over() -> bool:
+            return self._stopped or all(lease.done.is_set() for lease in leases)
+
+        try:
+            _, payload = self.api.call(
+                "/heartbeat",
+                body,
+                what=f"heartbeat of {len(leases)} leases",
+                give_up=over,
+                cap=interval,
+                timeout=max(2.0, min(self.api.timeout, interval)),
+            )
+        except GaveUp:
+            return
+        except Refused as error:
+            for lease in leases:
+                lease.refuse(error)
+            return
+        except ApiError as error:
+            if not many_forms_refused(error):
+                log.error("batched heartbeat refused: %s", error)
+                return
+            # Every lease from now on heartbeats alone, these and any added
+            # meanwhile (under the lock: none is left out, none beaten twice).
+            with self._lock:
+                self.forms.single_heartbeats(error)
+                moved = list(self._leases.values())
+                self._leases.clear()
+            for lease in moved:
+                if not lease.done.is_set():
+                    self._alone(lease)
+            return
+        answers = (payload or {}).get("leases")
+        if not isinstance(answers, list):
+            log.error("batched heartbeat: malformed response: %s", payload)
+            return
+        by_job = {lease.job.id: lease for lease in leases}
+        for answer in answers:
+            lease = (
+                by_job.get(answer.get("job_id")) if isinstance(answer, dict) else None
+            )
+            if lease is None:
+                continue
+            if "lease_expires_at" in answer:
+                log.debug("%s heartbeat ok", lease.job.tag)
+            else:
+                error = answer.get("error")
+                lease.lose(
+                    "404 not_found" if error == "not_found" else "409 lease_lost"
+                )
+
+
+class Heartbeat(threading.Thread):
+    """Extends one lease every ``heartbeat_interval`` until the job is done: the
+    single form, against a server that does not take batched heartbeats.
+
+    A 409 means the server took the lease back: the engine is killed at once and
+    the job abandoned. Network trouble is retried; the lease stays live on the
+    server until it is reclaimed, so a late heartbeat may still save it.
+    """
+
+    def __init__(self, lease: Lease, api: Api):
+        super().__init__(name=f"job-{lease.job.id}-hb", daemon=True)
+        self.lease, self.api = lease, api
+
+    def run(self) -> None:
+        lease, job = self.lease, self.lease.job
+        interval = job.heartbeat_interval
+        last_ok = time.monotonic()
+        warned = False
+        while not lease.done.wait(max(0.0, last_ok + interval - time.monotonic())):
+            try:
+                self.api.call(
+                    f"/jobs/{job.id}/heartbeat",
+                    {"lease_token": job.lease_token},
+                    what=f"{job.tag} heartbeat",
+                    give_up=lease.done.is_set,
+                    cap=interval,
+                    timeout=max(2.0, min(self.api.timeout, interval)),
+                )
+            except GaveUp:
+                return
+            except (LeaseLost, Rejected) as error:
+                lease.lose(f"{error.status} {error.code}")
+                return
+            except Refused as error:
+                lease.refuse(error)
+                return
+            else:
+                last_ok = time.monotonic()
+                warned = False
+                log.debug("%s heartbeat ok", job.tag)
+                continue
+            finally:
+                silent = time.monotonic() - last_ok
+                if (
+                    not warned
+                    and silent > job.lease_seconds
+                    and not lease.done.is_set()
+                ):
+                    warned = True
+                    log.warning(
+                        "%s no heartbeat accepted for %.0fs (lease %gs): the lease "
+                        "may be reclaimed; working on until the server says so",
+                        job.tag,
+                        silent,
+                        job.lease_seconds,
+                    )
+
+
+class Claimer(threading.Thread):
+    """Claims work for the slots: whenever some are free, one claim asks for
+    as many jobs as there are free slots (``max_jobs``), with this worker's
+    labels, and hands each job to a slot. Against a server that does not take
+    ``max_jobs``, one job per claim.
+
+    Each claim asks the server to hold it up to --wait-seconds while the
+    queue is empty (a long-poll); an empty answer after such a wait is
+    followed by the next claim at once. An empty queue answered sooner (a
+    server that does not wait) is polled with jittered backoff up to
+    --poll-max, and so is a claim the server refused for a reason no retry
+    inside ``Api.call`` could fix; the pause resets once work arrives.
     """
 
     def __init__(
         self,
-        number: int,
+        slots: int,
         *,
         api: Api,
-        engine: Engine,
         settings: Settings,
         shutdown: Shutdown,
+        forms: ServerForms,
     ):
-        super().__init__(name=f"slot-{number}")
-        self.api, self.engine, self.settings = api, engine, settings
-        self.shutdown = shutdown
+        super().__init__(name="claims", daemon=True)
+        self.api, self.settings, self.shutdown = api, settings, shutdown
+        self.forms = forms
+        self.slots = slots
+        self._lock = threading.Condition()
+        self._ready: deque[Job] = deque()  # claimed, waiting for a slot
+        self._busy = 0  # slots working on a job
+        self.refused_by: Refused | None = None
+
+    # The slots' side.
+
+    def take(self) -> Job | None:
+        """A claimed job for a slot (which is busy from now on), or None once
+        stopping."""
+        with self._lock:
+            while not self._ready and not self.shutdown.requested:
+                self._lock.wait(0.2)
+            if self.shutdown.requested:
+                return None
+            self._busy += 1
+            return self._ready.popleft()
+
+    def finished(self) -> None:
+        """A slot is done with its job: free again."""
+        with self._lock:
+            self._busy -= 1
+            self._lock.notify_all()
+
+    def leftovers(self) -> list[Job]:
+        """Jobs claimed that no slot took (stopping): to be released."""
+        with self._lock:
+            jobs, self._ready = list(self._ready), deque()
+        return jobs
+
+    def _free(self) -> int:
+        return self.slots - self._busy - len(self._ready)
+
+    # Claiming.
 
     def run(self) -> None:
         try:
             while not self.shutdown.requested:
-                job = self.claim()
-                if job is None:
-                    break
-                self.work(job)
+                with self._lock:
+                    while self._free() <= 0 and not self.shutdown.requested:
+                        self._lock.wait(0.2)
+                    free = self._free()
+                if self.shutdown.requested:
+                    return
+                jobs = self.claim(min(free, MAX_CLAIM_JOBS))
+                with self._lock:
+                    self._ready.extend(jobs)
+                    self._lock.notify_all()
         except Refused as error:
-            self.refused(error)
+            self.refused_by = error
+            refused(error, self.shutdown)
         except Exception:
             log.exception("unexpected error; stopping the worker")
             self.shutdown.request("unexpected error", exit_code=1)
 
-    def refused(self, error: Refused) -> None:
-        hint = {
-            401: "check RECALL_TOKEN (create one with `manage.py create_worker`)",
-            403: "an operator disabled this worker",
-        }.get(error.status, "check RECALL_URL")
-        log.error("the server refused this worker: %s (%s)", error, hint)
-        self.shutdown.request("refused by the server", exit_code=EXIT_REFUSED)
-
-    # Claiming.
-
-    def claim(self) -> Job | None:
-        """The next job, or None once stopping.
-
-        Each claim asks the server to hold it up to --wait-seconds while the
-        queue is empty (a long-poll); an empty answer after such a wait is
-        followed by the next claim at once. An empty queue answered sooner (a
-        server that does not wait) is polled with jittered backoff up to
-        --poll-max, and so is a claim the server refused for a reason no retry
-        inside ``Api.call`` could fix; the pause resets once work arrives.
-        """
+    def claim(self, free: int) -> list[Job]:
+        """Up to ``free`` jobs, at least one; none once stopping."""
         wait = self.settings.wait_seconds
         empty = 0
         pauses = 0
         while not self.shutdown.requested:
             started = time.monotonic()
+            many = self.forms.many_jobs_per_claim
             try:
-                status, payload = self._claim_call(wait)
+                status, payload = self._claim_call(wait, free if many else None)
             except GaveUp:
-                return None
+                return []
             except (LeaseLost, Rejected) as error:
+                if many and many_forms_refused(error):
+                    self.forms.single_claims(error)
+                    continue  # at once, in the single form
                 if error.status == 404:  # no API here: the URL is wrong
                     raise Refused(error.status, error.code, error.detail) from None
                 log.error("claim refused: %s", error)
@@ -1265,31 +1596,38 @@ class Slot(threading.Thread):
                         continue
                 else:
                     try:
-                        job = Job.from_claim(payload)
+                        jobs = claimed_jobs(payload)
                     except (KeyError, TypeError, ValueError) as error:
                         log.error("claim: malformed response (%r): %s", error, payload)
                     else:
                         if empty:
                             log.info("work available after %d empty polls", empty)
-                        return self.adopt(job)
+                        return [job for job in jobs if self.adopt(job)]
             pauses += 1
             delay = backoff_delay(
                 pauses, base=self.settings.poll_min, cap=self.settings.poll_max
             )
             pause(delay, lambda: self.shutdown.requested)
-        return None
+        return []
 
-    def _claim_call(self, wait: float) -> tuple[int, dict | None]:
+    def _claim_call(self, wait: float, max_jobs: int | None) -> tuple[int, dict | None]:
         """One claim, with its retries. A long-poll runs on a helper thread so
-        that a signal stops an idle worker at once: the slot gives up, the
+        that a signal stops an idle worker at once: the claimer gives up, the
         process exits, its connection closes, and the server drops the waiting
         claim without leasing anything."""
+        body: dict[str, Any] = {}
+        if wait:
+            body["wait_seconds"] = wait
+        if max_jobs is not None:
+            body["max_jobs"] = max_jobs
+        if self.settings.labels:
+            body["labels"] = self.settings.labels
 
         def stopping() -> bool:
             return self.shutdown.requested
 
         if not wait:
-            return self.api.call("/claim", {}, what="claim", give_up=stopping)
+            return self.api.call("/claim", body, what="claim", give_up=stopping)
         outcome: list[Any] = []
 
         def run() -> None:
@@ -1297,16 +1635,16 @@ class Slot(threading.Thread):
                 outcome.append(
                     self.api.call(
                         "/claim",
-                        {"wait_seconds": wait},
+                        body,
                         what="claim",
                         give_up=stopping,
                         timeout=wait + self.settings.http_timeout,
                     )
                 )
-            except BaseException as error:  # handed to the slot below
+            except BaseException as error:  # handed to the claimer below
                 outcome.append(error)
 
-        helper = threading.Thread(target=run, name=f"{self.name}-claim", daemon=True)
+        helper = threading.Thread(target=run, name=f"{self.name}-call", daemon=True)
         helper.start()
         while helper.is_alive():
             helper.join(0.2)
@@ -1316,7 +1654,7 @@ class Slot(threading.Thread):
             raise outcome[0]
         return outcome[0]
 
-    def adopt(self, job: Job) -> Job | None:
+    def adopt(self, job: Job) -> bool:
         REDACTOR.add(job.lease_token)  # never in a log line, from here on
         duration = "unknown" if job.duration is None else f"{job.duration:g}s"
         log.info(
@@ -1329,19 +1667,105 @@ class Slot(threading.Thread):
             job.lease_seconds,
         )
         if self.shutdown.requested:  # a signal arrived while the claim was in flight
-            self.release(job)
+            release(self.api, job, self.shutdown)
             REDACTOR.discard(job.lease_token)
-            return None
-        return job
+            return False
+        return True
+
+
+def claimed_jobs(payload: dict) -> list[Job]:
+    """The jobs of a claim's answer: ``{"jobs": [...]}`` to a claim of several,
+    or ``{"job": {...}}`` (a server that ignored ``max_jobs``)."""
+    if "jobs" in payload:
+        jobs = payload["jobs"]
+        if not isinstance(jobs, list) or not jobs:
+            raise ValueError("'jobs' is not a list of jobs")
+        return [Job.from_claim({"job": job}) for job in jobs]
+    return [Job.from_claim(payload)]
+
+
+def refused(error: Refused, shutdown: Shutdown) -> None:
+    hint = {
+        401: "check RECALL_TOKEN (create one with `manage.py create_worker`)",
+        403: "an operator disabled this worker",
+    }.get(error.status, "check RECALL_URL")
+    log.error("the server refused this worker: %s (%s)", error, hint)
+    shutdown.request("refused by the server", exit_code=EXIT_REFUSED)
+
+
+def release(api: Api, job: Job, shutdown: Shutdown) -> None:
+    """Give a job back at once (stopping): the attempt is not counted."""
+    body = {"lease_token": job.lease_token}
+    try:
+        api.call(
+            f"/jobs/{job.id}/release",
+            body,
+            what=f"{job.tag} release",
+            give_up=shutdown.grace_over,
+        )
+    except (LeaseLost, Rejected) as error:
+        log.warning("%s release not needed: %s", job.tag, error)
+        return
+    except Refused as error:
+        log.error("%s release refused: %s", job.tag, error)
+        return
+    except GaveUp as error:
+        log.error(
+            "%s release abandoned (%s): the lease expires in at most %gs",
+            job.tag,
+            error,
+            job.lease_seconds,
+        )
+        return
+    log.info("%s released: queued again at once", job.tag)
+
+
+class Slot(threading.Thread):
+    """One job at a time, forever: take a claimed job, run it while its lease
+    is heartbeated, complete or fail it.
+
+    ``--concurrency N`` runs N slots; each job is under its own lease.
+    """
+
+    def __init__(
+        self,
+        number: int,
+        *,
+        api: Api,
+        engine: Engine,
+        settings: Settings,
+        shutdown: Shutdown,
+        claimer: Claimer,
+        heartbeats: Heartbeats,
+    ):
+        super().__init__(name=f"slot-{number}")
+        self.api, self.engine, self.settings = api, engine, settings
+        self.shutdown = shutdown
+        self.claimer, self.heartbeats = claimer, heartbeats
+
+    def run(self) -> None:
+        try:
+            while not self.shutdown.requested:
+                job = self.claimer.take()
+                if job is None:
+                    break
+                try:
+                    self.work(job)
+                finally:
+                    self.claimer.finished()
+        except Refused as error:
+            refused(error, self.shutdown)
+        except Exception:
+            log.exception("unexpected error; stopping the worker")
+            self.shutdown.request("unexpected error", exit_code=1)
 
     # Working.
 
     def work(self, job: Job) -> None:
-        cancel = Cancellation()
-        done = threading.Event()
+        lease = Lease(job)
+        cancel = lease.cancel
         self.shutdown.track(cancel)
-        beat = Heartbeat(job, self.api, cancel, done, self.shutdown)
-        beat.start()
+        self.heartbeats.add(lease)
         started = time.monotonic()
         try:
             checked = self._checked(job)
@@ -1353,16 +1777,16 @@ class Slot(threading.Thread):
             log.exception("%s engine error", job.tag)
             outcome = Failure(f"The worker's engine raised {error!r}.")
         finally:
-            done.set()
+            self.heartbeats.remove(lease)
             self.shutdown.untrack(cancel)
         elapsed = time.monotonic() - started
         try:
-            if beat.lost is not None:
+            if lease.lost is not None:
                 log.warning(
                     "%s abandoned after %.1fs: lease lost (%s)",
                     job.tag,
                     elapsed,
-                    beat.lost,
+                    lease.lost,
                 )
             elif isinstance(outcome, Success):
                 self.complete(job, outcome.result, elapsed)
@@ -1373,10 +1797,11 @@ class Slot(threading.Thread):
             else:
                 log.warning("%s abandoned: %s", job.tag, outcome.reason)
         finally:
-            beat.join(timeout=self.settings.http_timeout + 1)
+            if lease.thread is not None:
+                lease.thread.join(timeout=self.settings.http_timeout + 1)
             REDACTOR.discard(job.lease_token)
-        if beat.refused is not None:
-            raise beat.refused
+        if lease.refused is not None:
+            raise lease.refused
 
     def _checked(self, job: Job) -> Job | Failure:
         root = self.settings.source_root
@@ -1460,97 +1885,7 @@ class Slot(threading.Thread):
         )
 
     def release(self, job: Job) -> None:
-        body = {"lease_token": job.lease_token}
-        try:
-            self.api.call(
-                f"/jobs/{job.id}/release",
-                body,
-                what=f"{job.tag} release",
-                give_up=self.shutdown.grace_over,
-            )
-        except (LeaseLost, Rejected) as error:
-            log.warning("%s release not needed: %s", job.tag, error)
-            return
-        except Refused as error:
-            log.error("%s release refused: %s", job.tag, error)
-            return
-        except GaveUp as error:
-            log.error(
-                "%s release abandoned (%s): the lease expires in at most %gs",
-                job.tag,
-                error,
-                job.lease_seconds,
-            )
-            return
-        log.info("%s released: queued again at once", job.tag)
-
-
-class Heartbeat(threading.Thread):
-    """Extends one lease every ``heartbeat_interval`` until the job is done.
-
-    A 409 means the server took the lease back: the engine is killed at once and
-    the job abandoned. Network trouble is retried; the lease stays live on the
-    server until it is reclaimed, so a late heartbeat may still save it.
-    """
-
-    def __init__(
-        self,
-        job: Job,
-        api: Api,
-        cancel: Cancellation,
-        done: threading.Event,
-        shutdown: Shutdown,
-    ):
-        super().__init__(name=f"{threading.current_thread().name}-hb", daemon=True)
-        self.job, self.api, self.cancel, self.done = job, api, cancel, done
-        self.shutdown = shutdown
-        self.lost: str | None = None
-        self.refused: Refused | None = None
-
-    def run(self) -> None:
-        job = self.job
-        interval = job.heartbeat_interval
-        last_ok = time.monotonic()
-        warned = False
-        while not self.done.wait(max(0.0, last_ok + interval - time.monotonic())):
-            try:
-                self.api.call(
-                    f"/jobs/{job.id}/heartbeat",
-                    {"lease_token": job.lease_token},
-                    what=f"{job.tag} heartbeat",
-                    give_up=self.done.is_set,
-                    cap=interval,
-                    timeout=max(2.0, min(self.api.timeout, interval)),
-                )
-            except GaveUp:
-                return
-            except (LeaseLost, Rejected) as error:
-                if self.done.is_set():
-                    return  # the job ended meanwhile: nothing to abandon
-                self.lost = f"{error.status} {error.code}"
-                log.warning("%s lease lost on heartbeat: stopping the engine", job.tag)
-                self.cancel.cancel("lease lost")
-                return
-            except Refused as error:
-                self.refused = error
-                self.cancel.cancel("refused")
-                return
-            else:
-                last_ok = time.monotonic()
-                warned = False
-                log.debug("%s heartbeat ok", job.tag)
-                continue
-            finally:
-                silent = time.monotonic() - last_ok
-                if not warned and silent > job.lease_seconds and not self.done.is_set():
-                    warned = True
-                    log.warning(
-                        "%s no heartbeat accepted for %.0fs (lease %gs): the lease "
-                        "may be reclaimed; working on until the server says so",
-                        job.tag,
-                        silent,
-                        job.lease_seconds,
-                    )
+        release(self.api, job, self.shutdown)
 
 
 # --- Command line -----------------------------------------------------------------
@@ -1718,6 +2053,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run N jobs at once, each under its own lease (default 1) "
         "[env RECALL_WORKER_CONCURRENCY]",
+    )
+    add(
+        "--label",
+        action="append",
+        dest="label",
+        metavar="KEY=VALUE",
+        help="a label this worker offers, sent with each claim: only batches "
+        "whose requirements it meets give it jobs (repeat for more; at most "
+        f"{MAX_LABELS}) [env RECALL_WORKER_LABELS=gpu=a100,model=large-v3]",
     )
     add(
         "--timeout",
@@ -1927,6 +2271,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, str]:
             parser.error(f"--command: {error}")
         if "{" not in argv0 and shutil.which(argv0) is None:
             parser.error(f"--command: {argv0!r} is not an executable on PATH")
+    # The command line's labels, else the environment's (comma-separated).
+    pairs = args.label or _env("RECALL_WORKER_LABELS", "").split(",")
+    try:
+        args.labels = parse_labels(pairs)
+    except ValueError as error:
+        parser.error(f"--label: {error}")
     if args.poll_min > args.poll_max:
         parser.error("--poll-min must not be larger than --poll-max")
     if args.source_root and not os.path.isdir(args.source_root):
@@ -1973,25 +2323,46 @@ def main(argv: list[str] | None = None) -> int:
         http_timeout=args.http_timeout,
         wait_seconds=args.wait_seconds,
         source_root=SourceRoot(args.source_root) if args.source_root else None,
+        labels=args.labels,
     )
     api = Api(args.url, token, timeout=args.http_timeout, retry_cap=args.retry_max)
     shutdown = Shutdown(args.shutdown_grace)
     install_signal_handlers(shutdown, registry)
     log.info(
-        "recall-worker %s: url=%s engine=%s concurrency=%d source-root=%s",
+        "recall-worker %s: url=%s engine=%s concurrency=%d source-root=%s labels=%s",
         __version__,
         safe_url(args.url),
         engine.name,
         args.concurrency,
         settings.source_root.root if settings.source_root else "none",
+        ",".join(f"{k}={v}" for k, v in settings.labels.items()) or "none",
+    )
+    forms = ServerForms()
+    heartbeats = Heartbeats(api, forms, shutdown)
+    claimer = Claimer(
+        args.concurrency, api=api, settings=settings, shutdown=shutdown, forms=forms
     )
     slots = [
-        Slot(n, api=api, engine=engine, settings=settings, shutdown=shutdown)
+        Slot(
+            n,
+            api=api,
+            engine=engine,
+            settings=settings,
+            shutdown=shutdown,
+            claimer=claimer,
+            heartbeats=heartbeats,
+        )
         for n in range(1, args.concurrency + 1)
     ]
+    heartbeats.start()
+    claimer.start()
     for slot in slots:
         slot.start()
-    join_all(slots)
+    join_all([*slots, claimer])
+    for job in claimer.leftovers():  # claimed while stopping, never started
+        release(api, job, shutdown)
+        REDACTOR.discard(job.lease_token)
+    heartbeats.stop()
     log.info("stopped (exit %d)", shutdown.exit_code)
     return shutdown.exit_code
 

@@ -7,6 +7,7 @@ Recall's operator API with a personal API token (the "API tokens" page, or
 
     export RECALL_URL=https://recall.example RECALL_API_TOKEN=rct_...
     recallctl.py submit calls.csv --name "calls 2026-01-01" --wait
+    recallctl.py submit calls.csv --require gpu=a100 --require model=large-v3
     recallctl.py status 12
     recallctl.py wait 12
     recallctl.py export 12 --format csv -o calls.csv
@@ -255,6 +256,22 @@ def _csv_items(text: str, path: str, first_line: int) -> list[dict]:
     return items
 
 
+def requirements(pairs: list[str]) -> dict[str, str]:
+    """``--require gpu=a100 --require model=large-v3`` as the batch's
+    requirements. The form is checked here; the rules for keys and values are
+    the server's (a 400 says which one is wrong)."""
+    requires: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise Failure(f"--require {pair!r}: expected KEY=VALUE")
+        if key in requires:
+            raise Failure(f"--require: {key!r} is given twice")
+        requires[key] = value
+    return requires
+
+
 def idempotency_key(manifest: bytes, name: str) -> str:
     digest = hashlib.sha256(name.encode("utf-8") + b"\0" + manifest).hexdigest()
     return f"recallctl-{digest[:40]}"
@@ -313,6 +330,8 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         value = getattr(args, option)
         if value is not None:
             body[option] = value
+    if args.require:
+        body["requires"] = requirements(args.require)
     key = args.idempotency_key or idempotency_key(raw, name)
     try:
         status, answer = client.json(
@@ -321,6 +340,8 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     except ApiError as error:
         if error.code == "bad_request" and "items[" in error.detail:
             raise Failure(f"the manifest was refused: {error.detail}") from None
+        if error.code == "bad_request" and "requires" in error.detail:
+            raise Failure(f"--require was refused: {error.detail}") from None
         if error.code == "idempotency_conflict":
             raise Failure(
                 f"{error.detail} (this manifest and name were submitted before with "
@@ -456,6 +477,12 @@ def build_parser() -> Parser:
     submit.add_argument("--priority", type=int)
     submit.add_argument("--weight", type=int)
     submit.add_argument("--max-in-flight", type=int)
+    submit.add_argument(
+        "--require",
+        action="append",
+        metavar="KEY=VALUE",
+        help="only workers offering this label may take the batch's jobs (repeatable)",
+    )
     submit.add_argument("--idempotency-key", help="instead of the derived one")
     submit.add_argument("--wait", action="store_true", help="then wait for it")
     waiting(submit)

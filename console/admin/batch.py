@@ -5,8 +5,9 @@ which also creates their jobs and progress counters together; a batch made
 here would have neither, so the admin cannot add one. Nor can it delete one:
 the delete page would list every item and job of a million-item batch, and
 deleting under live leases would leave workers with jobs that vanished (cancel
-the batch instead). Only a batch's name and its share of the workers (priority,
-weight, max in flight) are editable, the share through its transition.
+the batch instead). Only a batch's name, its share of the workers (priority,
+weight, max in flight) and, while it is open, the worker labels it requires are
+editable, the share and the requirements through their transitions.
 
 Progress is the operator UI's: the same state, bar, counts, throughput and ETA
 (``engine.progress``, the same template fragments), refreshed in place by the
@@ -18,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.utils import unquote
 from django.contrib.admin.views.main import PAGE_VAR, ChangeList
@@ -39,6 +40,7 @@ from console.admin.support import (
     id_search,
     link_to_id,
 )
+from console.forms import RequiresField
 from console.live import fragment
 from engine.progress import (
     BatchState,
@@ -48,6 +50,7 @@ from engine.progress import (
     progress_for_many,
 )
 from jobs import transitions
+from jobs.exceptions import BatchClosed
 from jobs.models import Event, Job
 
 
@@ -84,11 +87,12 @@ class ProgressChangeList(ChangeList):
 
 
 class BatchForm(forms.ModelForm):
-    """A weight left empty keeps the batch's weight."""
+    """A weight left empty keeps the batch's weight; the requirements are typed
+    as ``key=value`` pairs, as on the batch page."""
 
     class Meta:
         model = Batch
-        fields = ("name", "priority", "weight", "max_in_flight")
+        fields = ("name", "priority", "weight", "max_in_flight", "requires")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -125,7 +129,10 @@ class BatchAdmin(admin.ModelAdmin):
     search_help_text = "A batch id, or part of its name."
     ordering = ("-pk",)
     fieldsets = (
-        (None, {"fields": ("name", "priority", "weight", "max_in_flight")}),
+        (
+            None,
+            {"fields": ("name", "priority", "weight", "max_in_flight", "requires")},
+        ),
         ("Progress", {"fields": ("live_progress",)}),
         (
             "Details",
@@ -152,10 +159,24 @@ class BatchAdmin(admin.ModelAdmin):
     def get_queryset(self, request) -> QuerySet:
         return super().get_queryset(request).select_related("created_by")
 
+    def formfield_for_dbfield(self, db_field, request, **kwargs):
+        if db_field.name == "requires":
+            return RequiresField()
+        return super().formfield_for_dbfield(db_field, request, **kwargs)
+
+    def get_readonly_fields(self, request, obj: Batch | None = None) -> tuple:
+        """A finished or cancelled batch's requirements are fixed."""
+        fields = tuple(super().get_readonly_fields(request, obj))
+        if obj is not None and (obj.cancelled_at or obj.finished_at):
+            return (*fields, "requires")
+        return fields
+
     def save_model(self, request, obj: Batch, form, change: bool) -> None:
         """The name is a plain field; priority, weight and max in flight change
         through their transition (an event with who and what, and a batch moved
-        to another priority joins its rotation where the others are)."""
+        to another priority joins its rotation where the others are), and so do
+        the requirements (refused, with a message, if the batch closed since
+        the page was shown)."""
         obj.save(update_fields=["name"])
         transitions.set_share(
             obj,
@@ -164,6 +185,17 @@ class BatchAdmin(admin.ModelAdmin):
             max_in_flight=form.cleaned_data["max_in_flight"],
             actor=request.user,
         )
+        if "requires" in form.changed_data:
+            try:
+                transitions.set_requires(
+                    obj, form.cleaned_data["requires"], actor=request.user
+                )
+            except BatchClosed as closed:
+                self.message_user(
+                    request,
+                    f"The requirements were not changed. {closed}",
+                    messages.ERROR,
+                )
 
     def get_changelist(self, request, **kwargs) -> type[ChangeList]:
         return ProgressChangeList
@@ -260,7 +292,15 @@ class BatchAdmin(admin.ModelAdmin):
 
     @admin.display(description="ETA")
     def eta(self, batch: Any) -> str:
-        return batch.progress.eta_text
+        progress = batch.progress
+        if progress.waiting_for_worker:
+            return format_html(
+                '<span title="{}">{}</span><div class="small" data-waiting>{}</div>',
+                progress.eta_basis,
+                progress.eta_text,
+                progress.waiting_text,
+            )
+        return progress.eta_text
 
     @admin.display(description="progress")
     def live_progress(self, batch: Batch) -> str:

@@ -14,6 +14,7 @@ from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.utils.cache import add_never_cache_headers
 
+from batches.labels import format_pairs
 from console.admin.support import (
     SAMPLE_SIZE,
     Confirmation,
@@ -61,6 +62,7 @@ class WorkerAdmin(admin.ModelAdmin):
         "is_active",
         "token_prefix",
         "last_seen",
+        "labels_column",
         "live_leases",
         "created_at",
         "ledger_column",
@@ -81,6 +83,7 @@ class WorkerAdmin(admin.ModelAdmin):
         "token_prefix",
         "created_at",
         "last_seen",
+        "labels_column",
         "live_leases",
         "ledger_column",
     )
@@ -97,6 +100,12 @@ class WorkerAdmin(admin.ModelAdmin):
 
     def get_fields(self, request: HttpRequest, obj=None) -> tuple[str, ...]:
         return ("name",) if obj is None else self.change_fields
+
+    @admin.display(description="labels")
+    def labels_column(self, worker: Worker) -> str:
+        """The labels of the worker's latest claim (``-`` for none)."""
+        labels = worker.labels if isinstance(worker.labels, dict) else {}
+        return format_pairs(labels) or "-"
 
     def get_readonly_fields(self, request: HttpRequest, obj=None) -> tuple[str, ...]:
         return () if obj is None else self.change_fields[1:]

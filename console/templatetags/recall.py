@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from django import template
 from django.http import QueryDict
 
+from batches.labels import format_pairs
 from engine.progress import format_duration
 
 register = template.Library()
@@ -61,3 +64,10 @@ def source_head(source: str) -> str:
     """The rest of the source, in front of ``source_tail``: what is elided."""
     tail = source_tail(source)
     return source[: len(source) - len(tail)]
+
+
+@register.filter
+def pairs(labels) -> str:
+    """Worker labels (or a batch's requirements) as ``gpu=a100, model=large-v3``;
+    empty for none or for a stored value that is not an object."""
+    return format_pairs(labels) if isinstance(labels, Mapping) else ""

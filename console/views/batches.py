@@ -39,7 +39,7 @@ from batches.models import Batch, BatchItem, ItemStatus
 from batches.numbers import MAX_ID, whole_number
 from batches.roles import viewer_required
 from batches.streaming import EXPORTS, export_response
-from console.forms import ItemFilterForm, NewBatchForm, ShareForm
+from console.forms import ItemFilterForm, NewBatchForm, RequiresForm, ShareForm
 from console.live import fragment
 from console.uploads import ManifestSizeLimit, ManifestTooLarge
 from engine.background_intake import stale_after, start_intake
@@ -53,6 +53,7 @@ from engine.progress import (
     progress_for_many,
 )
 from jobs import transitions
+from jobs.exceptions import BatchClosed
 from jobs.models import (
     DeliveryStatus,
     Job,
@@ -268,6 +269,9 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
                 "max_in_flight": batch.max_in_flight,
             }
         ),
+        # Who may change what the batch requires of workers (while it is open).
+        "can_change": user.has_perm("batches.change_batch"),
+        "requires_form": RequiresForm(initial={"requires": batch.requires}),
         "live_leases": Job.objects.filter(status=JobStatus.LEASED).count(),
         "can_export": user.has_perm("batches.export_batch"),
         # Webhook URLs often carry the receiver's credentials (a path or query
@@ -413,6 +417,7 @@ def _batch_new(request: HttpRequest) -> HttpResponse:
                 weight=form.cleaned_data["weight"],
                 max_in_flight=form.cleaned_data["max_in_flight"],
                 created_by=request.user,
+                requires=form.cleaned_data["requires"],
             )
             return redirect("intake-detail", pk=intake.pk)
         batch = create_batch(
@@ -422,6 +427,7 @@ def _batch_new(request: HttpRequest) -> HttpResponse:
             weight=form.cleaned_data["weight"],
             max_in_flight=form.cleaned_data["max_in_flight"],
             created_by=request.user,
+            requires=form.cleaned_data["requires"],
         )
     except ManifestInvalid as invalid:
         return _new_form(
@@ -591,6 +597,32 @@ def batch_share(request: HttpRequest, batch: Batch) -> None:
         )
     else:
         messages.info(request, "Nothing to change.")
+
+
+@require_POST
+@login_required
+@permission_required("batches.change_batch", raise_exception=True)
+def batch_requires(request: HttpRequest, pk: int) -> HttpResponse:
+    """Change the worker labels the batch requires (``set_requires``): the
+    batch's change permission, as in the admin; refused once it is closed."""
+    batch = get_object_or_404(Batch, pk=pk)
+    form = RequiresForm(request.POST)
+    if not form.is_valid():
+        errors = " ".join(str(e) for e in form.errors.get("requires", []))
+        messages.error(request, f"Nothing was changed. {errors}")
+        return redirect(_back(request, batch))
+    try:
+        change = transitions.set_requires(
+            batch, form.cleaned_data["requires"], actor=request.user
+        )
+    except BatchClosed as closed:
+        messages.error(request, f"Nothing was changed. {closed}")
+        return redirect(_back(request, batch))
+    if change:
+        messages.success(request, f"Changed {change}; the next claim follows it.")
+    else:
+        messages.info(request, "Nothing to change.")
+    return redirect(_back(request, batch))
 
 
 @operator_action

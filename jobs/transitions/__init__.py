@@ -35,7 +35,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import QuerySet
 
-from batches.labels import Labels
+from batches.labels import Labels, clean_labels
 from batches.models import Batch
 from jobs.exceptions import TooManyLeases
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
@@ -99,6 +99,7 @@ __all__ = [
     "rotate_webhook_secret",
     "rotate_worker_token",
     "send_test_webhook",
+    "set_requires",
     "set_share",
     "set_webhook_endpoint_active",
     "set_worker_active",
@@ -477,12 +478,16 @@ def create_batch(
     created_by: Any = None,
     now: datetime | None = None,
     on_created: Callable[[Batch], None] | None = None,
+    requires: Mapping[str, str] | None = None,
 ) -> Batch:
     """The batch, its items (``(source, params, duration_ms)``), their jobs and
     counters, in one transaction. ``items`` may raise to abandon it all. The
     batch joins the fair-share rotation of its priority where the others are.
-    ``on_created(batch)`` runs last in the same transaction (a background
-    intake marks itself done there, so the two commit together)."""
+    ``requires``: the worker labels a worker must offer to claim its jobs
+    (``batches.labels``; LabelError, nothing written, if they break the
+    rules), stored with the batch. ``on_created(batch)`` runs last in the
+    same transaction (a background intake marks itself done there, so the
+    two commit together)."""
     return backend().create_batch(
         name=name,
         items=items,
@@ -492,6 +497,7 @@ def create_batch(
         created_by=created_by,
         now=_now(now),
         on_created=on_created,
+        requires=clean_labels(requires, what="requires"),
     )
 
 
@@ -511,6 +517,26 @@ def set_share(
         priority=priority,
         weight=weight,
         max_in_flight=max_in_flight,
+        now=_now(now),
+        actor=actor,
+    )
+
+
+def set_requires(
+    batch: Batch,
+    requires: Mapping[str, str],
+    *,
+    actor: Any = None,
+    now: datetime | None = None,
+) -> str | None:
+    """Change the worker labels a batch requires (effective for the next
+    claim); records what changed as an event. Returns the change in words,
+    None when there was nothing to change. LabelError for requirements that
+    break the rules; BatchClosed for a finished or cancelled batch (nothing
+    is written either way)."""
+    return actions.set_requires(
+        batch,
+        clean_labels(requires, what="requires"),
         now=_now(now),
         actor=actor,
     )

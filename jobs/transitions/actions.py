@@ -19,7 +19,9 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import QuerySet
 
+from batches.labels import format_pairs
 from batches.models import Batch
+from jobs.exceptions import BatchClosed
 from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd, Worker
 
 from .outbox import finish_if_done, finishing
@@ -129,6 +131,37 @@ def set_share(
 
 def _shown(value: int | None) -> str:
     return "unlimited" if value is None else str(value)
+
+
+def set_requires(
+    batch: Batch, requires: dict[str, str], *, now: datetime, actor: Any = None
+) -> str | None:
+    """Change the worker labels the batch requires (already checked by
+    ``batches.labels.clean_labels``); the next claim follows it. Only while
+    the batch is open, checked under its lock (BatchClosed otherwise). Records
+    one event saying what changed; returns it, or None if nothing did."""
+    with transaction.atomic():
+        current = Batch.objects.select_for_update().get(pk=batch.pk)
+        if current.cancelled_at is not None:
+            raise BatchClosed(batch.pk, "cancelled")
+        if current.finished_at is not None:
+            raise BatchClosed(batch.pk, "finished")
+        change = None
+        if current.requires != requires:
+            change = (
+                f"requires {format_pairs(current.requires) or 'nothing'} -> "
+                f"{format_pairs(requires) or 'nothing'}"
+            )
+            Batch.objects.filter(pk=batch.pk).update(requires=requires)
+            record_event(
+                Event.Kind.BATCH_CHANGED,
+                f"Changed {change}.",
+                at=now,
+                batch_id=batch.pk,
+                actor=actor,
+            )
+    batch.refresh_from_db(fields=["requires"])
+    return change
 
 
 def cancel_batch(

@@ -35,6 +35,9 @@ def counts_shown(html: str) -> dict[str, int]:
 def half_done(worker) -> Batch:
     batch = make_batch(5, name="half done")
     now = timezone.now()
+    # Seen, as its API calls would record (issue 26: else the batch waits for
+    # a worker, without an ETA).
+    transitions.touch_worker(worker, now=now)
     done = transitions.claim_next(worker, now=now)
     transitions.complete(done, done.lease_token, worker=worker, result={"text": "x"})
     failed = transitions.claim_next(worker, now=now)
@@ -95,12 +98,14 @@ def test_the_batch_page_shows_the_operator_uis_summary(superuser_client, half_do
     assert '<strong class="big" data-percent>20.0% done</strong>' in html
     assert "<dt>ETA</dt>" in html and "How the ETA is computed" in html
     assert 'id="refresh-interval"' in html
-    # Only the name and the share (priority, weight, max in flight) can change.
+    # Only the name, the share (priority, weight, max in flight) and, while
+    # the batch is open, what it requires of workers (issue 26) can change.
     assert set(response.context["adminform"].form.fields) == {
         "name",
         "priority",
         "weight",
         "max_in_flight",
+        "requires",
     }
 
 

@@ -65,8 +65,10 @@ def big(staff):
 MAX_QUERIES = 9
 # The batch list also reads its rows' progress, as the operator UI's list does
 # (engine.progress.progress_for_many): four queries for the whole page, and the
-# time they are read at, from the database's clock on PostgreSQL: one more.
-PAGE_PROGRESS_QUERIES = 5
+# time they are read at, from the database's clock on PostgreSQL: one more; and
+# the labels of the workers online, for batches with queued items (whether
+# they wait for a worker, issue 26): one more.
+PAGE_PROGRESS_QUERIES = 6
 
 
 def test_pages_render_in_a_fixed_number_of_queries(big, django_assert_max_num_queries):

@@ -176,6 +176,10 @@ def test_format_duration(seconds, text):
 
 
 def _finish(worker, n, *, at, fail=False):
+    # A worker's API calls record that it was seen (routing, issue 26: a batch
+    # no worker online can take waits, without an ETA); the transitions alone
+    # do not, so the helper does.
+    transitions.touch_worker(worker, now=at)
     for _ in range(n):
         job = claim(worker, now=at)
         if fail:
@@ -193,6 +197,7 @@ def test_progress_counts_rate_and_eta_by_items(worker):
     batch = make_batch(100)
     _finish(worker, 20, at=later(60))  # minute 12:01
     _finish(worker, 10, at=later(330), fail=True)  # minute 12:05
+    transitions.touch_worker(worker, now=later(590))  # its claim's request
     claim(worker, now=later(590))
 
     progress = progress_for(batch, now=later(600))
@@ -238,6 +243,9 @@ def test_progress_counts_rate_and_eta_by_items(worker):
         # Added by silent leases and retry waits (issue 27).
         "silent": 0,
         "retry": None,
+        # Added by routing (issue 26).
+        "requires": {},
+        "waiting_for_worker": False,
     }
 
 
@@ -261,6 +269,7 @@ def test_eta_only_counts_the_recent_window(worker):
     _finish(worker, 5, at=later(30))
 
     assert progress_for(batch, now=later(60)).eta_seconds == 60
+    transitions.touch_worker(worker, now=later(60 * 12))  # still polling, idle
     stale = progress_for(batch, now=later(60 * 12))
     assert stale.eta_seconds is None
     assert stale.eta_basis == "Unknown: no item finished in the last 10 min."

@@ -24,7 +24,7 @@ from batches.models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStat
 from engine.reconcile import reconcile
 from engine.sweep import sweep
 from jobs import transitions
-from jobs.exceptions import LeaseLost, TooManyLeases
+from jobs.exceptions import BatchClosed, LeaseLost, TooManyLeases
 from jobs.models import (
     Event,
     Job,
@@ -277,6 +277,15 @@ def _enable(world: World, w: int) -> Any:
     return transitions.set_worker_active(world.workers[w], True)
 
 
+def _set_requires(world: World, b: int, pairs: tuple[tuple[str, str], ...]) -> Any:
+    try:
+        return transitions.set_requires(
+            _batch(world, b), dict(pairs), actor=world.actor, now=world.now
+        )
+    except BatchClosed:
+        return "batch_closed"
+
+
 def _cap(world: World, max_leases: int) -> None:
     """Claims from now on are given this lease cap."""
     world.max_leases = max_leases
@@ -417,6 +426,7 @@ _APPLY = {
     "rotate": _rotate,
     "disable": _disable,
     "enable": _enable,
+    "set_requires": _set_requires,
 }
 ITEM_STATUSES = tuple(ItemStatus.values)
 

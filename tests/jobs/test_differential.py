@@ -287,6 +287,16 @@ CASES = {
         ("disable", 1),
         ("claim_many", 1, 2),
     ],
+    "requirements changed while open, refused once closed (issue 26)": [
+        ("set_requires", 0, (("gpu", "a100"),)),
+        ("set_requires", 0, (("gpu", "a100"),)),  # nothing to change
+        ("claim", 0),
+        ("set_requires", 0, (("gpu", "a100"), ("model", "large-v3"))),
+        ("set_requires", 0, ()),
+        ("cancel_batch", 1),
+        ("set_requires", 1, (("gpu", "a100"),)),
+        ("claim", 1),
+    ],
 }
 
 
@@ -439,6 +449,13 @@ class BackendsAgree(RuleBasedStateMachine):
     @rule(w=st.integers(0, 2), enable=st.booleans())
     def disable_or_enable(self, w, enable):
         self._do("enable" if enable else "disable", w)
+
+    @rule(
+        b=st.integers(0, 2),
+        pairs=st.sampled_from([(), (("gpu", "a100"),), (("model", "large-v3"),)]),
+    )
+    def set_requires(self, b, pairs):
+        self._do("set_requires", b, pairs)
 
     def teardown(self):
         _assert_backends_agree(getattr(self, "program", []))

@@ -15,6 +15,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from batches.models import Batch, BatchItem, ItemStatus
+from engine.manifests import create_batch
 from engine.progress import BatchState
 from engine.reconcile import reconcile, sweep_state
 from engine.sweep import sweep
@@ -287,3 +288,31 @@ def test_a_scrape_is_a_fixed_number_of_queries(worker):
         claim(make_worker(f"w-{i}"), T0)
 
     assert queries() == few
+
+
+def test_batches_waiting_for_a_worker(settings):
+    """Open batches with queued items that no worker online can take: from
+    the start, 0 when there are none."""
+    settings.RECALL_LEASE_SECONDS = 60
+    text = render(now=T0).decode()
+    assert (
+        "# HELP recall_batches_waiting_for_worker Open batches with queued items "
+        "that no worker seen recently can take (none offers the labels they "
+        "require); 0 if none.\n# TYPE recall_batches_waiting_for_worker gauge\n"
+        "recall_batches_waiting_for_worker 0.0\n"
+    ) in text
+
+    lines = ["file:///a.wav\n", "file:///b.wav\n"]
+    create_batch("large", lambda: iter(lines), requires={"model": "large-v3"}, now=T0)
+    create_batch("a100", lambda: iter(lines), requires={"gpu": "a100"}, now=T0)
+    make_batch(2, name="anyone")
+    paused = create_batch(
+        "paused", lambda: iter(lines), requires={"gpu": "h100"}, now=T0
+    )
+    transitions.pause_batch(paused, now=T0)
+    assert scrape(T0)[("recall_batches_waiting_for_worker",)] == 3
+
+    worker = make_worker("a100")
+    Worker.objects.filter(pk=worker.pk).update(labels={"gpu": "a100"}, last_seen=T0)
+    assert scrape(later(120))[("recall_batches_waiting_for_worker",)] == 1
+    assert scrape(later(121))[("recall_batches_waiting_for_worker",)] == 3

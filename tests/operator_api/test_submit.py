@@ -70,6 +70,10 @@ def test_a_submission_creates_the_batch_and_answers_its_progress(
         # Added by silent leases and retry waits (issue 27).
         "silent": 0,
         "retry": None,
+        # Added by routing (issue 26): no worker is online, so even a batch that
+        # requires nothing waits for one.
+        "requires": {},
+        "waiting_for_worker": True,
     }
     assert (batch.priority, batch.weight, batch.max_in_flight) == (3, 2, 4)
     assert batch.created_by == operator
@@ -205,7 +209,7 @@ def test_the_manifest_limit_on_items_applies(operator_api, settings):
         ),
         (
             {"name": "x", "items": ITEMS, "owner": "me"},
-            "Unknown field(s) 'owner'; a batch has 'items', 'max_in_flight', 'name', 'priority', 'weight'.",
+            "Unknown field(s) 'owner'; a batch has 'items', 'max_in_flight', 'name', 'priority', 'requires', 'weight'.",
         ),
     ],
 )

@@ -104,7 +104,11 @@ class WorkerProcess:
 
 def engine_records(directory: Path) -> list[dict]:
     """What hanging fake engines recorded: their pid, their child's, the job."""
-    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+    records = []
+    for path in sorted(directory.glob("*.json")):
+        with contextlib.suppress(ValueError):  # still being written: next poll
+            records.append(json.loads(path.read_text()))
+    return records
 
 
 def process_gone(pid: int) -> bool:

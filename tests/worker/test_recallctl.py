@@ -111,6 +111,44 @@ def test_submit_wait_and_export_while_a_worker_drains_the_batch(
     assert status.stdout.startswith(f"batch {batch.pk} 'calls': finished, 6/6 done")
 
 
+def test_a_batch_submitted_with_require_goes_only_to_workers_offering_it(
+    recallctl, start_worker, tmp_path
+):
+    manifest = _manifest(tmp_path, [f"/lectures/{n}.wav" for n in range(4)])
+    large = start_worker(
+        make_worker("gpu-large"),
+        "--simulate",
+        "--simulate-factor=0.01",
+        "--concurrency=2",
+        "--label=model=large-v3",
+        "--label=gpu=a100",
+    )
+    small = start_worker(make_worker("cpu-small"), "--simulate", "--label=gpu=none")
+
+    done = recallctl(
+        "submit",
+        str(manifest),
+        "--name",
+        "lectures",
+        "--require",
+        "model=large-v3",
+        "--wait",
+        "--interval=0.3",
+    )
+
+    assert done.returncode == 0, (done.stdout, done.stderr, large.log(), small.log())
+    batch = Batch.objects.get()
+    assert batch.requires == {"model": "large-v3"}
+    assert set(
+        batch.jobs.values_list("leases__worker__name", flat=True).distinct()
+    ) == {"gpu-large"}
+
+    refused = recallctl("submit", str(manifest), "--require", "Model=large")
+    assert refused.returncode == 4
+    assert refused.stderr.startswith("recallctl: error: --require was refused: ")
+    assert Batch.objects.count() == 1
+
+
 def test_wait_exits_1_when_items_failed_and_retry_queues_them(
     recallctl, start_worker, tmp_path
 ):

@@ -17,11 +17,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from batches.models import BatchItem
+from batches.models import Batch, BatchItem
 from engine.manifests import create_batch
 from engine.sweep import sweep
 from jobs import transitions
-from jobs.models import Job, JobStatus, Lease, LeaseEnd
+from jobs.models import Job, JobStatus, Lease, LeaseEnd, Worker
 from tests.support.factories import assert_consistent, jobs_of, make_batch, make_worker
 from tests.support.worker import (
     FAKE_ENGINE,
@@ -99,6 +99,65 @@ def test_happy_path_drains_a_batch_and_stores_results(start_worker):
 
     proc.send(signal.SIGTERM)
     assert proc.exit_code() == 0
+
+
+def answered(endpoint: str, status: str = "200") -> float:
+    """Worker API requests this process's server answered so far (the live
+    server runs in the test's process: its request metrics are ours)."""
+    from api.request_metrics import request_metrics
+
+    (family,) = request_metrics().requests.collect()
+    return sum(
+        sample.value
+        for sample in family.samples
+        if sample.name.endswith("_total")
+        and sample.labels == {"endpoint": endpoint, "status": status}
+    )
+
+
+def test_a_labelled_worker_with_many_slots_takes_its_routed_batch_in_few_calls(
+    start_worker,
+):
+    """Four slots: claims ask for every free slot at once, with the worker's
+    labels; one batched heartbeat a second renews every lease; a batch that
+    requires a label only this worker offers is done by it alone."""
+    routed = make_batch(name="large", durations=[30.0] * 4, now=timezone.now())
+    Batch.objects.filter(pk=routed.pk).update(requires={"model": "large-v3"})
+    plain = make_batch(3, name="plain", now=timezone.now())
+    single_before = answered("heartbeat")
+    batched_before = answered("heartbeat_many")
+    big = start_worker(
+        make_worker("gpu-big"),
+        "--simulate",
+        "--simulate-factor=0.1",  # 3 s a job: three heartbeat intervals
+        "--concurrency=4",
+        "--label=model=large-v3",
+        "--label",
+        "gpu=a100",
+    )
+    small = start_worker(make_worker("cpu-small"), "--simulate")
+
+    wait_for(
+        lambda: all(
+            status_of(job) == JobStatus.COMPLETED
+            for job in [*jobs_of(routed), *jobs_of(plain)]
+        ),
+        timeout=60,
+        what="both batches done",
+        workers=(big, small),
+    )
+
+    assert {ledger(job)[-1] for job in jobs_of(routed)} == {
+        (LeaseEnd.COMPLETED, "gpu-big")
+    }
+    assert Worker.objects.get(name="gpu-big").labels == {
+        "gpu": "a100",
+        "model": "large-v3",
+    }
+    assert Worker.objects.get(name="cpu-small").labels == {}
+    assert answered("heartbeat") == single_before  # never one lease at a time
+    assert answered("heartbeat_many") - batched_before >= 2
+    assert "lease lost" not in big.log()
 
 
 def test_heartbeats_keep_a_long_job_past_several_lease_lengths(start_worker):

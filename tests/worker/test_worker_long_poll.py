@@ -102,7 +102,7 @@ def test_by_default_a_claim_asks_the_server_to_wait_25_seconds(fake):
 
     (_, body, _), *_ = claims(1)
 
-    assert body == {"wait_seconds": 25.0}
+    assert body == {"wait_seconds": 25.0, "max_jobs": 1}
 
 
 def test_after_a_held_204_the_worker_claims_again_at_once(fake):
@@ -113,7 +113,7 @@ def test_after_a_held_204_the_worker_claims_again_at_once(fake):
 
     seen = claims(4)
 
-    assert [body for _, body, _ in seen] == [{"wait_seconds": 1.0}] * 4
+    assert [body for _, body, _ in seen] == [{"wait_seconds": 1.0, "max_jobs": 1}] * 4
     assert all(answered - arrived >= 1 for arrived, _, answered in seen)
     assert max(gaps(seen)) < 0.5
 
@@ -127,18 +127,18 @@ def test_a_server_that_answers_at_once_is_polled_with_backoff(fake):
 
     seen = claims(4)
 
-    assert [body for _, body, _ in seen] == [{"wait_seconds": 25.0}] * 4
+    assert [body for _, body, _ in seen] == [{"wait_seconds": 25.0, "max_jobs": 1}] * 4
     assert min(gaps(seen)) >= 0.19
     assert max(gaps(seen)) <= 1.5
 
 
-def test_wait_seconds_0_sends_an_empty_claim(fake):
+def test_wait_seconds_0_asks_for_no_wait(fake):
     CURRENT.hold = lambda body: 0.0
     fake("--wait-seconds=0", "--poll-min=0.1", "--poll-max=0.2")
 
     seen = claims(2)
 
-    assert [body for _, body, _ in seen] == [{}, {}]
+    assert [body for _, body, _ in seen] == [{"max_jobs": 1}] * 2
 
 
 def test_a_signal_stops_a_worker_whose_claim_the_server_holds(fake):

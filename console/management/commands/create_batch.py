@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.core.management.base import BaseCommand, CommandError
 
+from batches.labels import LabelError, parse_pairs
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT
 from batches.numbers import whole_number
 from engine.manifests import ManifestInvalid, create_batch, file_lines
@@ -29,6 +30,14 @@ class Command(BaseCommand):
             f"1 to {MAX_WEIGHT} (default 1).",
         )
         parser.add_argument(
+            "--require",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="A worker label a worker must offer, with exactly this value, to "
+            "take the batch's jobs (repeatable; default: any worker).",
+        )
+        parser.add_argument(
             "--max-in-flight",
             default=None,
             help="At most this many items in flight at once (default: no cap).",
@@ -42,6 +51,7 @@ class Command(BaseCommand):
         priority: int,
         weight: str,
         max_in_flight: str | None,
+        require: list[str],
         **options,
     ) -> None:
         if not -32768 <= priority <= 32767:
@@ -61,6 +71,10 @@ class Command(BaseCommand):
                     f"{MAX_IN_FLIGHT}, not {max_in_flight!r}."
                 )
         try:
+            requires = parse_pairs(require, what="--require")
+        except LabelError as error:
+            raise CommandError(f"{error}.") from None
+        try:
             with open(manifest, "rb"):
                 pass
         except OSError as error:
@@ -72,6 +86,7 @@ class Command(BaseCommand):
                 priority=priority,
                 weight=weight_value,
                 max_in_flight=cap,
+                requires=requires,
             )
         except ManifestInvalid as invalid:
             raise CommandError(

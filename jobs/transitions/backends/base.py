@@ -120,4 +120,5 @@ class TransitionBackend(Protocol):
         created_by: Any,
         now: datetime,
         on_created: Callable[[Batch], None] | None = None,
+        requires: dict[str, str] | None = None,
     ) -> Batch: ...

@@ -605,15 +605,19 @@ class OrmBackend:
         created_by: Any,
         now: datetime,
         on_created: Callable[[Batch], None] | None = None,
+        requires: dict[str, str] | None = None,
     ) -> Batch:
-        """The batch, its items, their jobs and the counters, in one transaction:
-        a batch is never visible half-created. ``items`` may raise to abandon it."""
+        """The batch (with the worker labels it requires), its items, their
+        jobs and the counters, in one transaction: a batch is never visible
+        half-created, nor claimable before its requirements are stored.
+        ``items`` may raise to abandon it."""
         with transaction.atomic():
             batch = Batch.objects.create(
                 name=name,
                 priority=priority,
                 weight=weight,
                 max_in_flight=max_in_flight,
+                requires=requires or {},
                 created_by=created_by,
                 created_at=now,
             )
