@@ -12,6 +12,7 @@ import secrets
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +31,9 @@ class Sizes:
     throughput_seconds: float = 10.0
     throughput_jobs: int = 60_000
     peer_jobs: int = 5_000
+    # A peer's run gives up after this long (a shared machine slows a stock
+    # peer to a few jobs a second: django-q2's took over 300 s on 2026-12-03).
+    peer_timeout: float = 900.0
     finished: int = 1_000_000
     live_leases: int = 10_000
     idle_seconds: float = 10.0
@@ -65,6 +69,15 @@ class Sizes:
     hostile_claim_bytes: int = 1024 * 1024
     hostile_slow: int = 500
     hostile_seconds: float = 60.0
+    routing_batches: int = 1_000
+    routing_sets: int = 20
+    routing_jobs: int = 100_000
+    routing_seconds: float = 10.0
+    beat_workers: int = 250
+    beat_leases: int = 8
+    beat_interval: float = 10.0
+    beat_seconds: float = 60.0
+    claim_max_jobs: int = 8
 
     @classmethod
     def quick(cls, processes: int) -> Sizes:
@@ -110,6 +123,12 @@ class Sizes:
             hostile_claim_bytes=64 * 1024,
             hostile_slow=20,
             hostile_seconds=3.0,
+            routing_batches=40,
+            routing_jobs=800,
+            routing_seconds=0.5,
+            beat_workers=10,
+            beat_interval=0.5,
+            beat_seconds=2.0,
         )
 
 
@@ -133,6 +152,8 @@ class Bench:
     server: Server | None = None  # the gunicorn master, while it runs
     server_port: int = 0
     postmaster: int | None = None  # the private PostgreSQL server's, if any
+    # The peers' no-op jobs/s by (name, tuned), measured once per run (rows 4, 21).
+    peer_rates: dict[tuple[str, bool], float] = field(default_factory=dict)
 
     def add(self, number, scenario, figure, value, target="", verdict=None):
         ok = "" if verdict is None else ("ok" if verdict else "MISSED")
@@ -244,10 +265,15 @@ def _workers(n: int):
 
 
 def _queue(
-    bench: Bench, jobs: int, batches: int = 1, history: int | None = None
+    bench: Bench,
+    jobs: int,
+    batches: int = 1,
+    history: int | None = None,
+    requires: Callable[[int], dict[str, str]] | None = None,
 ) -> list[int]:
     """``jobs`` queued jobs over ``batches`` batches, with ``history`` finished
-    ones (as many as queued unless said) in front of them.
+    ones (as many as queued unless said) in front of them; batch ``i`` requires
+    the labels ``requires(i)`` (none unless said).
 
     A table of nothing but queued jobs is not what production looks like: a
     batch is partly done for most of its life.
@@ -261,7 +287,12 @@ def _queue(
     done = per if history is None else history // batches
     return [
         seed.batch(
-            f"bench-{i}", now=now, completed=done, queued=per, analyze=i == batches - 1
+            f"bench-{i}",
+            now=now,
+            completed=done,
+            queued=per,
+            analyze=i == batches - 1,
+            requires=requires(i) if requires else None,
         ).pk
         for i in range(batches)
     ]

@@ -254,34 +254,47 @@ def model(args: dict, started) -> dict:
 # --- 3. The HTTP API ---------------------------------------------------------------
 
 
+class _Worker:
+    """One worker's keep-alive connection to the running server."""
+
+    def __init__(self, host: str, port: int, token: str):
+        self.host, self.port = host, port
+        self.headers = {
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/json",
+        }
+        self.connection = http.client.HTTPConnection(host, port, timeout=60)
+
+    def post(self, path: str, body: dict) -> tuple[int, bytes]:
+        """(status, body) of a POST, reconnecting up to twice if the server
+        closed the connection."""
+        for _ in range(3):
+            try:
+                self.connection.request("POST", path, json.dumps(body), self.headers)
+                response = self.connection.getresponse()
+                data = response.read()
+                if response.getheader("Connection", "").lower() == "close":
+                    self.connection.close()
+                return response.status, data
+            except (http.client.HTTPException, ConnectionError):
+                self.connection.close()
+                self.connection = http.client.HTTPConnection(
+                    self.host, self.port, timeout=60
+                )
+        raise RuntimeError(f"POST {path} failed three times")
+
+    def close(self) -> None:
+        self.connection.close()
+
+
 @loop
 def http_api(args: dict, started) -> dict:
     """claim + complete against the running server, as a worker does."""
     if started is None:
         return {}
     _, deadline = started
-    host, port = args["host"], args["port"]
-    headers = {
-        "Authorization": f"Bearer {args['token']}",
-        "Content-Type": "application/json",
-    }
-    connection = http.client.HTTPConnection(host, port, timeout=60)
-
-    def post(path: str, body: dict) -> tuple[int, bytes]:
-        nonlocal connection
-        for _ in range(3):
-            try:
-                connection.request("POST", path, json.dumps(body), headers)
-                response = connection.getresponse()
-                data = response.read()
-                if response.getheader("Connection", "").lower() == "close":
-                    connection.close()
-                return response.status, data
-            except (http.client.HTTPException, ConnectionError):
-                connection.close()
-                connection = http.client.HTTPConnection(host, port, timeout=60)
-        raise RuntimeError(f"POST {path} failed three times")
-
+    client = _Worker(args["host"], args["port"], args["token"])
+    post = client.post
     done, errors, began = 0, 0, time.perf_counter()
     while time.time() < deadline:
         status, data = post("/api/v1/claim", {})
@@ -299,8 +312,44 @@ def http_api(args: dict, started) -> dict:
             done += 1
         else:
             errors += 1
-    connection.close()
+    client.close()
     return {"done": done, "errors": errors, "elapsed": time.perf_counter() - began}
+
+
+@loop
+def http_api_jobs(args: dict, started) -> dict:
+    """claim up to ``max_jobs`` jobs in one call, then complete each, against the
+    running server: a worker with that many free slots (issue 26)."""
+    if started is None:
+        return {}
+    _, deadline = started
+    client = _Worker(args["host"], args["port"], args["token"])
+    claim = {"max_jobs": args["max_jobs"]}
+    done, errors, claims, began = 0, 0, 0, time.perf_counter()
+    while time.time() < deadline:
+        status, data = client.post("/api/v1/claim", claim)
+        claims += 1
+        if status == 204:
+            break
+        if status != 200:
+            errors += 1
+            continue
+        for job in json.loads(data)["jobs"]:
+            status, _ = client.post(
+                f"/api/v1/jobs/{job['id']}/complete",
+                {"lease_token": job["lease_token"], "result": {"text": "ok"}},
+            )
+            if status == 200:
+                done += 1
+            else:
+                errors += 1
+    client.close()
+    return {
+        "done": done,
+        "errors": errors,
+        "claims": claims,
+        "elapsed": time.perf_counter() - began,
+    }
 
 
 # --- 5. Idle claims -----------------------------------------------------------------
@@ -331,6 +380,69 @@ def idle_claim(args: dict, started) -> dict:
     report["statuses"] = statuses
     report["cpu"] = time.process_time() - cpu
     return report
+
+
+@loop
+def routed_claims(args: dict, started) -> dict:
+    """Claims with labels through Django's full request handling (in this
+    process: the time is the server's), each job that one gets completed at
+    once. ``args["workers"]`` is (token, labels) pairs, taken in turn: each
+    claim is the next worker's, with its labels. Reports every claim's time
+    by its answer's status and the CPU time this process spent on them (the
+    app's share of the server time: on a shared machine the wall time also
+    holds the waits for a core), each worker's answers by status (by token:
+    the runner returns the processes' reports in the order they end), and the
+    jobs completed."""
+    from django.test import Client
+
+    client = Client(HTTP_HOST="127.0.0.1")
+    workers = [
+        ({"HTTP_AUTHORIZATION": f"Bearer {token}"}, {"labels": labels})
+        for token, labels in args["workers"]
+    ]
+    if started is None:  # connect and warm up, without claiming
+        from jobs.models import Worker
+
+        Worker.objects.filter(pk=0).exists()
+        client.get("/healthz")
+        return {}
+    _, deadline = started
+    latencies: dict[int, list[float]] = {}
+    cpu: dict[int, float] = {}
+    answers: list[dict[int, int]] = [{} for _ in workers]  # by turn
+    done, claims, began = 0, 0, time.perf_counter()
+    while time.time() < deadline:
+        turn = claims % len(workers)
+        headers, body = workers[turn]
+        claims += 1
+        t0, c0 = time.perf_counter(), time.process_time()
+        response = client.post("/api/v1/claim", body, "application/json", **headers)
+        status = response.status_code
+        latencies.setdefault(status, []).append(time.perf_counter() - t0)
+        cpu[status] = cpu.get(status, 0.0) + time.process_time() - c0
+        answers[turn][status] = answers[turn].get(status, 0) + 1
+        if status != 200:
+            continue
+        job = response.json()["job"]
+        response = client.post(
+            f"/api/v1/jobs/{job['id']}/complete",
+            {"lease_token": job["lease_token"], "result": {"text": "ok"}},
+            "application/json",
+            **headers,
+        )
+        if response.status_code != 200:
+            raise RuntimeError(f"complete answered {response.status_code}")
+        done += 1
+    return {
+        "done": done,
+        "elapsed": time.perf_counter() - began,
+        "by_status": latencies,
+        "cpu_by_status": cpu,
+        "answers": {
+            token: answered
+            for (token, _), answered in zip(args["workers"], answers, strict=True)
+        },
+    }
 
 
 @loop

@@ -167,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         "(default 20; as long as the purge tells its tail from the machine's)",
     )
     parser.add_argument(
+        "--beat-seconds",
+        type=float,
+        help="how long scenario 20 measures the server's CPU in each of its two "
+        "phases (default 60)",
+    )
+    parser.add_argument(
         "--database-url", help="measure this PostgreSQL (default: a private server)"
     )
     parser.add_argument(
@@ -208,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes.purge_items = args.purge_items
     if args.purge_baseline_seconds is not None:
         sizes.purge_baseline_seconds = args.purge_baseline_seconds
+    if args.beat_seconds is not None:
+        sizes.beat_seconds = args.beat_seconds
     wanted = {n.strip() for n in args.only.split(",") if n.strip()} or set(SCENARIOS)
     unknown = wanted - set(SCENARIOS) - set(ALIASES)
     if unknown:
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.postmaster = int(
                 (server.data / "postmaster.pid").read_text().split()[0]
             )
-        if {"3", "8", "13", "14", "15"} & wanted:
+        if {"3", "8", "13", "14", "15", "20", "21"} & wanted:
             _start_gunicorn(bench)
         try:
             for number, scenario in SCENARIOS.items():

@@ -88,9 +88,11 @@ def batch(
     priority: int = 0,
     max_attempts: int = 3,
     analyze: bool = True,
+    requires: dict[str, str] | None = None,
 ) -> Batch:
     """One batch with ``completed`` done items, then ``leased`` in flight (held by
-    ``worker`` until ``lease_expires_at``), then ``queued`` waiting."""
+    ``worker`` until ``lease_expires_at``), then ``queued`` waiting; open only to
+    workers whose labels meet ``requires`` (none: open to every worker)."""
     total = queued + completed + leased
     if leased and (worker is None or lease_expires_at is None):
         raise ValueError("leased items need a worker and a lease expiry")
@@ -103,6 +105,7 @@ def batch(
             total=total,
             total_ms=total * ITEM_MS,
             durations_known=total > 0,
+            requires=requires or {},
         )
         cursor.execute(
             f"""

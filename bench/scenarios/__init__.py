@@ -4,8 +4,10 @@ with 1, interleaved with it)."""
 
 from __future__ import annotations
 
+from bench.scenarios.claim_many import claim_many
 from bench.scenarios.exports_vs_heartbeats import exports_vs_heartbeats
 from bench.scenarios.fair_share import fair_share
+from bench.scenarios.fleet_heartbeats import fleet_heartbeats
 from bench.scenarios.hostile_clients import hostile_clients
 from bench.scenarios.idle import idle
 from bench.scenarios.idle_fleet import idle_fleet
@@ -15,6 +17,7 @@ from bench.scenarios.metrics_scrape import metrics_scrape
 from bench.scenarios.peers import peers
 from bench.scenarios.progress import progress
 from bench.scenarios.purge_while_claiming import purge_while_claiming
+from bench.scenarios.routing import routing
 from bench.scenarios.sustained import sustained
 from bench.scenarios.sweep import sweep
 from bench.scenarios.throughput import throughput
@@ -34,6 +37,9 @@ SCENARIOS = {
     "15": long_poll,
     "17": purge_while_claiming,
     "18": hostile_clients,
+    "19": routing,
+    "20": fleet_heartbeats,
+    "21": claim_many,
 }
 # 2, 3 and 8 are measured with 1, interleaved with it.
 ALIASES = {"2": "1", "3": "1", "8": "1"}

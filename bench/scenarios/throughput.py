@@ -9,7 +9,12 @@ import statistics
 from bench.core import Bench, _queue, _rate, _workers
 
 
-def _throughput(bench: Bench, kind: str, batches: int = 1) -> float:
+def _throughput(
+    bench: Bench, kind: str, batches: int = 1, report: list | None = None, **extra
+) -> float:
+    """Claim + complete per second of loop ``kind`` (``extra``: more arguments
+    of an HTTP loop) in P processes, on a fresh queue in ``batches`` batches;
+    each process's report appended to ``report``, if given."""
     from bench import loops
 
     workers = _workers(bench.p)
@@ -23,12 +28,14 @@ def _throughput(bench: Bench, kind: str, batches: int = 1) -> float:
         args = [{"worker": w.pk} for w, _ in workers]
     else:
         args = [
-            {"host": "127.0.0.1", "port": bench.server_port, "token": token}
+            {"host": "127.0.0.1", "port": bench.server_port, "token": token, **extra}
             for _, token in workers
         ]
     results = loops.run(kind, args, duration=bench.sizes.throughput_seconds)
-    if kind == "http_api" and any(r["errors"] for r in results):
+    if kind.startswith("http_api") and any(r["errors"] for r in results):
         raise RuntimeError(f"HTTP errors: {[r['errors'] for r in results]}")
+    if report is not None:
+        report.extend(results)
     return _rate(results)
 
 

@@ -9,7 +9,9 @@ from datetime import timedelta
 
 import pytest
 
+from batches.labels import satisfies
 from bench import scale, seed
+from bench.scenarios.routing import MATCHING, NOT_MATCHING, requirement_sets
 from engine.checks import find_violations
 from engine.sweep import sweep
 from harness.pgserver import available
@@ -66,7 +68,10 @@ def test_a_tiny_bench_run_prints_every_figure():
 
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     rows = re.findall(r"^(\d+)\s{2,}(.*)$", result.stdout, re.MULTILINE)
-    assert {n for n, _ in rows} == {*(str(n) for n in range(1, 16)), "17", "18"}
+    assert {n for n, _ in rows} == {
+        *(str(n) for n in range(1, 16)),
+        *(str(n) for n in range(17, 22)),
+    }
     cells = [re.split(r"\s{2,}", row) for _, row in rows]
     scenarios = {c[0] for c in cells}
     assert {
@@ -89,6 +94,22 @@ def test_a_tiny_bench_run_prints_every_figure():
         "what the attackers sent and got",
     ]
     assert hostile[3][1].startswith("server memory growth")
+    # Row 19's check is exact at any size: no lease went to a worker whose
+    # labels do not meet its batch's requirements.
+    routed = [c for c in cells if c[0] == "routing"]
+    assert len(routed) == 2
+    assert routed[1][2:] == ["0", "0", "ok"]
+    beats = [c for c in cells if c[0] == "heartbeats at fleet scale"]
+    assert [c[1].split(":")[0] for c in beats] == [
+        "once per lease",
+        "once per worker",
+        "server CPU once per lease / once per worker (per lease renewed); leases "
+        "live at the end, of 80",
+    ]
+    assert re.fullmatch(r"[0-9.]+ x \([0-9.]+ x\); 80", beats[2][2])
+    many = [c for c in cells if c[0] == "HTTP claim of many"]
+    assert len(many) == 2
+    assert many[1][1].count("tuned") == 2
 
 
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
@@ -108,6 +129,16 @@ def test_the_hot_path_measure_runs_its_steps(kind):
         result.stdout,
         re.MULTILINE,
     ), result.stdout
+
+
+def test_the_routing_rows_workers_serve_as_it_says():
+    sets = requirement_sets(20)
+
+    assert len({tuple(sorted(s.items())) for s in sets}) == 20
+    for labels in MATCHING:
+        assert sum(satisfies(labels, s) for s in sets) == 2, labels
+    for labels in NOT_MATCHING:
+        assert not any(satisfies(labels, s) for s in sets), labels
 
 
 def test_scale_sizes_read_like_the_docs_write_them():
