@@ -167,7 +167,7 @@ def test_the_completed_job_handed_back_has_its_own_fields(worker, batch):
     job = claim(worker)
 
     done = transitions.backend().complete(
-        job.pk, job.lease_token, worker=worker, result=RESULT, flags=(), now=later(5)
+        job.pk, job.lease_token, worker=worker, result=RESULT, now=later(5)
     )
 
     assert done is not None

@@ -296,11 +296,12 @@ def test_csv_export(operator_client, exported):
         .order_by("pk")
         .values_list("pk", "source")
     )
+    # The last column, the item's quality flags, was added by issue 29.
     assert rows == [
-        ["item", "source", "state", "attempts", "text", "error"],
-        [str(items[0][0]), items[0][1], "done", "1", 'hello, "world"\nbye', ""],
-        [str(items[1][0]), items[1][1], "failed", "1", "", "no audio"],
-        [str(items[2][0]), items[2][1], "queued", "0", "", ""],
+        ["item", "source", "state", "attempts", "text", "error", "flags"],
+        [str(items[0][0]), items[0][1], "done", "1", 'hello, "world"\nbye', "", ""],
+        [str(items[1][0]), items[1][1], "failed", "1", "", "no audio", ""],
+        [str(items[2][0]), items[2][1], "queued", "0", "", "", ""],
     ]
 
 
