@@ -343,6 +343,11 @@ class JobRun(models.Model):
     def __str__(self) -> str:
         return f"run {self.number} of job {self.job_id} ({self.status})"
 
+    @property
+    def item_status(self) -> str:
+        """How the run left the item (done, failed)."""
+        return item_status_for(self.status)
+
 
 # --- The lease ledger ---------------------------------------------------------
 
