@@ -416,7 +416,7 @@ class Event(models.Model):
         BATCH_PAUSED = "batch_paused"
         BATCH_RESUMED = "batch_resumed"
         BATCH_CHANGED = "batch_changed"
-        RERUN = "rerun"
+        RERUN = "rerun", "Re-run"
 
     created_at = models.DateTimeField(default=timezone.now)
     kind = models.CharField(max_length=32, choices=Kind.choices)

@@ -27,7 +27,7 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name='event',
             name='kind',
-            field=models.CharField(choices=[('repair', 'Repair'), ('force_reclaimed', 'Force Reclaimed'), ('retried', 'Retried'), ('cancelled', 'Cancelled'), ('batch_cancelled', 'Batch Cancelled'), ('batch_paused', 'Batch Paused'), ('batch_resumed', 'Batch Resumed'), ('batch_changed', 'Batch Changed'), ('rerun', 'Rerun')], max_length=32),
+            field=models.CharField(choices=[('repair', 'Repair'), ('force_reclaimed', 'Force Reclaimed'), ('retried', 'Retried'), ('cancelled', 'Cancelled'), ('batch_cancelled', 'Batch Cancelled'), ('batch_paused', 'Batch Paused'), ('batch_resumed', 'Batch Resumed'), ('batch_changed', 'Batch Changed'), ('rerun', 'Re-run')], max_length=32),
         ),
         migrations.CreateModel(
             name='JobRun',
