@@ -499,9 +499,11 @@ def rerun(
     attempts, no result, the new requirement and the next run number; the item
     to queued, its flags cleared, the counters (flag counts too) shifted
     (``move_jobs``). Then the batch, locked last as every transition locks
-    it, is reopened if it had finished (it finishes again, with a new
-    ``batch.finished`` event, when the re-run items end), and one event says
-    who re-ran how many items and with which requirement."""
+    it and held to the commit, is reopened if it had finished (it finishes
+    again, with a new ``batch.finished`` event, when the re-run items end),
+    and one event says who re-ran how many items and with which requirement.
+    A cancel committed before that lock refuses the whole re-run
+    (BatchClosed, nothing written); one after it cancels the queued items."""
     with transaction.atomic():
         batch = Batch.objects.filter(pk=batch_id).only("cancelled_at", "requires").get()
         if batch.cancelled_at is not None:
@@ -567,12 +569,21 @@ def rerun(
             _start_runs(jobs, requires=requires, now=now, actor=actor)
             total += len(jobs)
         if total:
-            # After the counters (every transition locks batches last), under
-            # the batch row's lock, which the finish check takes too.
-            reopened = Batch.objects.filter(
-                pk=batch_id, finished_at__isnull=False
-            ).update(finished_at=None)
+            # The batch row's lock, after the counters (every transition locks
+            # batches last), held to the commit: a finish check (which takes
+            # it too) waits and then sees the items queued, and a cancel that
+            # came first is seen (the whole re-run is refused then).
+            cancelled, finished = (
+                Batch.objects.select_for_update(no_key=True)
+                .filter(pk=batch_id)
+                .values_list("cancelled_at", "finished_at")
+                .get()
+            )
+            if cancelled is not None:
+                raise BatchClosed(batch_id, "cancelled")
+            reopened = finished is not None
             if reopened:
+                Batch.objects.filter(pk=batch_id).update(finished_at=None)
                 rejoin_share([batch_id])
             need = format_pairs(requires)
             record_event(
