@@ -190,11 +190,11 @@ def test_a_rerun_by_flag_takes_the_flagged_done_items_only(settings, backend):
 
 def test_only_done_and_failed_items_rerun_and_a_refusal_writes_nothing():
     batch = make_batch(3)
-    other = make_batch(1, name="other")
     worker = make_worker()
     done = transitions.claim_next(worker, now=T0)
     transitions.complete(done, done.lease_token, worker=worker, result={"text": "a"})
     leased = transitions.claim_next(worker, now=T0)
+    other = make_batch(1, name="other")
     queued = Job.objects.get(batch=batch, status="queued")
     everything = snapshot(*jobs_of(batch))
 
