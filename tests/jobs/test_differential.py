@@ -238,7 +238,7 @@ CASES = {
         ("complete", 8, "t"),
         ("claim_many", 2, 3, 2),  # leases 10-12
         *[("complete", k, "t") for k in (10, 11, 12)],
-        ("rerun", 0, "short", 3),  # requiring gpu=h100: clashes with nothing
+        ("rerun", 0, "ended", 3),  # requiring gpu=h100: no worker offers it
         ("sweep",),
         ("reconcile",),
         ("cancel_batch", 1),
