@@ -133,7 +133,9 @@ class RequiresMet(Func):
     def __init__(self, labels: Mapping[str, str], column: str = "requires") -> None:
         super().__init__(F(column), Value(json.dumps(dict(labels))))
 
-    def as_sql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+    def as_sql(  # type: ignore[override]
+        self, compiler: Any, connection: Any, **extra: Any
+    ) -> tuple[str, tuple[Any, ...]]:
         column, labels = self.get_source_expressions()
         column_sql, column_params = compiler.compile(column)
         labels_sql, labels_params = compiler.compile(labels)

@@ -377,13 +377,13 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
     # the run it belonged to (its ledger row id is at most the run's last).
     runs = list(job.runs.select_related("worker", "rerun_by").order_by("-number"))
     for lease in leases:
-        lease.run = min(
+        lease.run = min(  # type: ignore[attr-defined]
             (r.number for r in runs if r.last_lease_id and lease.pk <= r.last_lease_id),
             default=job.run,
         )
     for run in runs:
         text = run.result.get("text") if isinstance(run.result, dict) else None
-        run.text = text if isinstance(text, str) else ""
+        run.text = text if isinstance(text, str) else ""  # type: ignore[attr-defined]
     # A stored result is read as it is: rows written before the API checked
     # them as closely may hold any JSON value.
     result = job.result if isinstance(job.result, dict) else {}

@@ -606,14 +606,14 @@ def _start_runs(
     if not jobs:
         return
     pks = [j.pk for j in jobs]
-    last = dict(
+    last: dict[int, int] = dict(
         Lease.objects.filter(job_id__in=pks)
         .values("job_id")
         .annotate(last=Max("pk"))
         .values_list("job_id", "last")
         .order_by()
     )
-    ran_by = dict(
+    ran_by: dict[int, int] = dict(
         Lease.objects.filter(pk__in=last.values()).values_list("pk", "worker")
     )
     JobRun.objects.bulk_create(
@@ -626,7 +626,7 @@ def _start_runs(
             flags=j.item.flags,
             attempts=j.attempts,
             requires=j.requires or {},
-            worker_id=ran_by.get(last.get(j.pk)),
+            worker_id=ran_by.get(last.get(j.pk, 0)),
             finished_at=j.finished_at,
             last_lease_id=last.get(j.pk),
             rerun_at=now,
