@@ -368,3 +368,19 @@ def test_the_long_poll_probe_names_each_job_its_full_requirement():
     assert found == 2 and {"gpu": "a100"} in requires
     assert combined({"model": "a"}, {"model": "b"}) is None
     assert combined({}, {}) == {}
+
+
+def test_a_purge_deletes_the_earlier_runs_with_their_jobs():
+    batch = make_batch(2)
+    worker = make_worker()
+    finish_all(batch, worker)
+    transitions.rerun(batch, items=items_of(batch), now=later(1))
+    finish_all(batch, worker, now=later(2))
+    assert JobRun.objects.count() == 2
+
+    while not transitions.purge_batch_chunk(
+        batch.pk, finished_before=later(3), limit=1
+    ).batch_deleted:
+        pass
+
+    assert not JobRun.objects.exists() and not Job.objects.exists()
