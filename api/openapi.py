@@ -15,7 +15,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
 from api import worker_openapi
-from api.operator_views import MAX_SEARCH_CHARS, PAGE_SIZE
+from api.operator_views import MAX_RERUN_ITEMS, MAX_SEARCH_CHARS, PAGE_SIZE
 from batches.flags import FLAGS
 from batches.labels import KEY, MAX_LABELS, VALUE
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
@@ -262,6 +262,48 @@ PATHS = {
                 "200": _json("BatchAction"),
                 **POST_ERRORS,
                 "409": _error("invalid_transition: the batch is cancelled."),
+            },
+        }
+    },
+    "/api/v1/batches/{batch_id}/rerun": {
+        "post": {
+            "operationId": "rerun_batch_items",
+            "tags": ["operator"],
+            "security": SECURITY,
+            "summary": (
+                "Re-run chosen done or failed items (items), or every done item "
+                "with a quality flag (flag), as a new run: back to queued with "
+                "fresh attempts, the previous result kept in the item's history, "
+                "optionally requiring worker labels of the new run on top of the "
+                "batch's (requires). A finished batch runs and finishes again. "
+                "Needs batches.change_batch."
+            ),
+            "parameters": [BATCH_ID],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref("RerunRequest")}},
+            },
+            "responses": {
+                "200": _json("RerunAnswer"),
+                **POST_ERRORS,
+                "400": _error(
+                    "Neither or both of items and flag, an unknown field, ids that "
+                    "are not whole numbers, more than "
+                    f"{MAX_RERUN_ITEMS} of them, an unknown flag, requires that "
+                    "break the label rules or give a key the batch requires "
+                    "another value; or malformed JSON."
+                ),
+                "404": {
+                    "description": "No such batch, or items that are not its "
+                    "(listed in missing); nothing was re-run.",
+                    "content": {"application/json": {"schema": _ref("RerunRefused")}},
+                },
+                "409": {
+                    "description": "not_rerunnable: named items are queued, in "
+                    "flight or cancelled (listed in not_rerunnable), nothing was "
+                    "re-run; or invalid_transition: the batch is cancelled.",
+                    "content": {"application/json": {"schema": _ref("RerunRefused")}},
+                },
             },
         }
     },
@@ -535,6 +577,72 @@ SCHEMAS = {
                 },
             },
             "total_errors": {"type": "integer", "minimum": 1},
+        },
+    },
+    "RerunRequest": {
+        "type": "object",
+        "additionalProperties": False,
+        "description": "Exactly one of items and flag.",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_RERUN_ITEMS,
+                "items": {"type": "integer", "minimum": 1},
+                "description": "Ids of the batch's items, each done or failed.",
+            },
+            "flag": {
+                "type": "string",
+                "enum": list(FLAGS),
+                "description": "Every done item of the batch with this flag.",
+            },
+            "requires": {
+                **REQUIRES,
+                "nullable": True,
+                "description": "Worker labels the new run needs on top of the "
+                "batch's (the same rules); {} or absent: the batch's alone.",
+            },
+        },
+    },
+    "RerunAnswer": {
+        "type": "object",
+        "required": ["rerun"],
+        "additionalProperties": False,
+        "properties": {
+            "rerun": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "How many items were queued again as a new run.",
+            }
+        },
+    },
+    "RerunRefused": {
+        "type": "object",
+        "required": ["error", "detail"],
+        "properties": {
+            "error": {
+                "type": "string",
+                "enum": ["not_found", "not_rerunnable", "invalid_transition"],
+            },
+            "detail": {"type": "string"},
+            "missing": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "description": "Named ids that are not items of the batch.",
+            },
+            "not_rerunnable": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "state"],
+                    "properties": {
+                        "id": {"type": "integer"},
+                        "state": {"type": "string", "enum": list(ItemStatus.values)},
+                    },
+                },
+                "description": "Named items that are not done or failed, with "
+                "their state.",
+            },
         },
     },
     "RetryRequest": {

@@ -37,6 +37,7 @@ from engine.manifests import (
 )
 from engine.progress import BatchState, in_state, progress_for, progress_for_many
 from jobs import transitions
+from jobs.exceptions import BatchClosed, RerunRefused
 from jobs.models import Job
 from operator_api import tokens
 from operator_api.idempotency import IdempotencyConflict, body_hash, submit_once
@@ -47,11 +48,15 @@ PAGE_SIZE = 100
 READ = "batches.view_batch"
 SUBMIT = "batches.add_batch"
 OPERATE = "batches.operate_batch"
+CHANGE = "batches.change_batch"
 EXPORT = "batches.export_batch"
 BATCH_FIELDS = frozenset(
     {"name", "priority", "weight", "max_in_flight", "requires", "items"}
 )
 MAX_SEARCH_CHARS = 200
+RERUN_FIELDS = frozenset({"items", "flag", "requires"})
+# Item ids one re-run may name (a flag selects any number).
+MAX_RERUN_ITEMS = 10_000
 # A request starts no new chunk of a cancel after this long (as the UI's).
 ACTION_SECONDS = 20
 
@@ -471,3 +476,79 @@ def batch_retry(
         jobs = jobs.filter(item__source__icontains=search)
     queued = transitions.retry_failed(jobs, actor=user, now=now)
     return _batch_answer(batch, now, changed=queued > 0, queued=queued)
+
+
+@operator_endpoint("POST", CHANGE)
+def batch_rerun(
+    request: HttpRequest, user, *, now: datetime, batch_id: int
+) -> HttpResponse:
+    """Re-run chosen items (``{"items": [ids]}``) or every done item with a
+    quality flag (``{"flag": "short"}``), optionally requiring worker labels
+    of the new run (``"requires"``): ``{"rerun": N}``. Only done and failed
+    items re-run; naming any other refuses the whole request (409, or 404
+    for ids that are not the batch's items), nothing written."""
+    body = json_object_body(request)
+    unknown = sorted(set(body) - RERUN_FIELDS)
+    if unknown:
+        raise bad_request(
+            f"Unknown field(s) {', '.join(repr(u) for u in unknown)}; a re-run "
+            f"takes 'items' or 'flag', and optionally 'requires'."
+        )
+    items, flag = body.get("items"), body.get("flag")
+    if (items is None) == (flag is None):
+        raise bad_request(
+            "Send either 'items' (a list of item ids) or 'flag' (one of "
+            f"{', '.join(FLAGS)}), not both and not neither."
+        )
+    if items is not None:
+        items = _item_ids(items)
+    if flag is not None and flag not in FLAGS:
+        raise bad_request(f"Field 'flag' must be one of {', '.join(FLAGS)}.")
+    try:
+        requires = clean_labels(body.get("requires"), what="Field 'requires'")
+    except LabelError as error:
+        raise bad_request(f"{error}.") from None
+    batch = _batch(batch_id)
+    try:
+        n = transitions.rerun(
+            batch, items=items, flag=flag, requires=requires, actor=user, now=now
+        )
+    except BatchClosed:
+        raise ApiError(
+            409,
+            "invalid_transition",
+            f"Batch {batch.pk} is cancelled: its items cannot be re-run.",
+        ) from None
+    except LabelError as error:
+        raise bad_request(f"Field 'requires': {error}.") from None
+    except RerunRefused as refused:
+        raise ApiError(
+            404 if refused.missing else 409,
+            "not_found" if refused.missing else "not_rerunnable",
+            str(refused),
+            extra={
+                "missing": refused.missing,
+                "not_rerunnable": [
+                    {"id": item_id, "state": state}
+                    for item_id, state in refused.busy.items()
+                ],
+            },
+        ) from None
+    return JsonResponse({"rerun": n})
+
+
+def _item_ids(value: object) -> list[int]:
+    """A re-run's ``items``: 1 to MAX_RERUN_ITEMS item ids (whole numbers)."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("Field 'items' must be a non-empty list of item ids.")
+    if len(value) > MAX_RERUN_ITEMS:
+        raise bad_request(
+            f"Field 'items' names at most {MAX_RERUN_ITEMS} items; re-run more "
+            f"in several requests, or by 'flag'."
+        )
+    for each in value:
+        if isinstance(each, bool) or not isinstance(each, int):
+            raise bad_request("Field 'items' must hold item ids (whole numbers).")
+        if not 1 <= each <= MAX_DB_ID:
+            raise bad_request(f"Field 'items': {each} is not an item id.")
+    return list(value)

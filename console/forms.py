@@ -99,6 +99,28 @@ class RequiresForm(forms.Form):
     requires = RequiresField()
 
 
+class RerunForm(forms.Form):
+    """The batch page's re-run: the items ticked in the table (``item``, read
+    by the view) or every done item with a flag, and the worker labels the new
+    run requires on top of the batch's."""
+
+    flag = forms.ChoiceField(
+        choices=[
+            ("", "the items ticked below"),
+            *((f, f"every item flagged {f}") for f in FLAGS),
+        ],
+        required=False,
+        label="Re-run",
+    )
+    requires = RequiresField(
+        label="Requiring",
+        help_text=(
+            "Worker labels the new run needs on top of the batch's, as key=value "
+            "(e.g. model=large-v3). Empty: the batch's requirement alone."
+        ),
+    )
+
+
 class NewBatchForm(ShareFields):
     field_order = [
         "name",

@@ -17,6 +17,7 @@ urlpatterns = [
     path("batches/<int:pk>/resume", views.batch_resume, name="batch-resume"),
     path("batches/<int:pk>/cancel", views.batch_cancel, name="batch-cancel"),
     path("batches/<int:pk>/retry", views.batch_retry, name="batch-retry"),
+    path("batches/<int:pk>/rerun", views.batch_rerun, name="batch-rerun"),
     path("batches/<int:pk>/share", views.batch_share, name="batch-share"),
     path("batches/<int:pk>/requires", views.batch_requires, name="batch-requires"),
     path("batches/<int:pk>/export.<str:fmt>", views.batch_export, name="batch-export"),

@@ -86,10 +86,15 @@ def tallies() -> dict[str, int]:
 
 def finished_totals(counts: dict[str, int], tally: dict[str, int]) -> tuple[int, int]:
     """(jobs ever completed, jobs ever failed for good). The counters hold the
-    jobs done and failed now; a failed job queued again by *retry failed*, and
+    jobs done and failed now; a failed job queued again by *retry failed* or
+    a finished one by a *re-run*, and
     a finished job deleted by a purge (retention), are kept in tallies, so the
     totals only ever grow."""
-    completed = counts[JobStatus.COMPLETED] + tally.get("jobs_completed_purged", 0)
+    completed = (
+        counts[JobStatus.COMPLETED]
+        + tally.get("jobs_completed_rerun", 0)
+        + tally.get("jobs_completed_purged", 0)
+    )
     failed = (
         counts[JobStatus.FAILED]
         + tally.get("jobs_failed_retried", 0)

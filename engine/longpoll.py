@@ -35,9 +35,10 @@ def claimable_work(
     """How many jobs claims could take now, at most ``limit``: expired leases
     (a claim reclaims them first) plus, per open batch with a claimable job,
     its claimable jobs up to the room under its in-flight cap (in the first
-    ``PROBE_BATCHES`` such batches); and the distinct requirements of the
-    batches those jobs belong to, so that the server wakes only the waiting
-    claims whose labels can serve one of them. A read, on the database's
+    ``PROBE_BATCHES`` such batches); and the distinct requirements of those
+    jobs (their batch's and, for a re-run's, their own, together: ``combined``),
+    so that the server wakes only the waiting claims whose labels can serve
+    one of them. A read, on the database's
     clock (each statement's own, unless ``now`` is given): the waker's probe.
     With nothing to find, which is what it finds nearly every time, it is
     two index probes.
@@ -69,17 +70,34 @@ def claimable_work(
             requires.append(required)
 
     found = 0
-    for (required,) in expired.order_by("lease_expires_at").values_list(
-        "batch__requires"
+    for required, own in expired.order_by("lease_expires_at").values_list(
+        "batch__requires", "requires"
     )[:limit]:
-        found += 1
-        needs(required)
+        both = combined(required, own)
+        if both is not None:
+            found += 1
+            needs(both)
     for batch_id, room, required in batches[:PROBE_BATCHES]:
         if found >= limit:
             break
         want = limit - found if room is None else min(room, limit - found)
-        more = Job.objects.claimable(at).filter(batch_id=batch_id)[:want].count()
-        if more:
-            found += more
-            needs(required)
+        # Each job's own requirement (a re-run's; {} for nearly all) adds to
+        # its batch's: a claim is woken only for a job it can take.
+        owns = Job.objects.claimable(at).filter(batch_id=batch_id)
+        for own in owns.values_list("requires", flat=True)[:want]:
+            both = combined(required, own)
+            if both is not None:
+                found += 1
+                needs(both)
     return min(found, limit), requires
+
+
+def combined(batch: object, job: object) -> Labels | None:
+    """What a worker must offer to take a job: its batch's requirement and
+    its own together; None when they ask one key for different values (no
+    worker can take it)."""
+    need: Labels = dict(batch) if isinstance(batch, dict) else {}
+    for key, value in (job if isinstance(job, dict) else {}).items():
+        if need.setdefault(key, value) != value:
+            return None
+    return need

@@ -8,6 +8,13 @@ requires nothing is satisfied by any such worker, so with no worker online it
 waits too. Its ETA is unknown: nothing says when a worker that can take it
 will come.
 
+It judges the batch's own requirement only. A re-run's requirement
+(``Job.requires``, on some of a batch's jobs) is not judged here: a batch whose
+only queued jobs are re-runs needing labels no worker online offers shows as
+running, not waiting (the item page says what each re-run requires). Judging
+it would mean reading the distinct requirements of every queued job on every
+page, which the per-batch counters cannot say.
+
 Cheap by construction: one query reads the distinct label sets of the workers
 seen recently (a few rows, whatever the fleet's size), and each distinct
 requirement set is judged once (``Offers`` remembers it), never per item.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from django.db import InterfaceError, OperationalError
 
 # What a lost or refused database connection raises: a 503, not a 500.
@@ -50,3 +52,34 @@ class BatchClosed(InvalidTransition):
             f"Batch {batch_id} is {why}: its requirements can be changed only "
             f"while it is open."
         )
+
+
+class RerunRefused(InvalidTransition):
+    """A re-run named items it cannot re-run: ``missing`` are not items of the
+    batch, ``busy`` (item id to status) are not done or failed (still queued,
+    in flight, or cancelled). Nothing was written."""
+
+    def __init__(
+        self,
+        batch_id: int,
+        *,
+        missing: Iterable[int] = (),
+        busy: Mapping[int, str] | None = None,
+    ) -> None:
+        self.batch_id = batch_id
+        self.missing: list[int] = sorted(missing)
+        self.busy: dict[int, str] = dict(sorted((busy or {}).items()))
+        parts = []
+        if self.missing:
+            parts.append(
+                f"not items of batch {batch_id}: "
+                + ", ".join(str(i) for i in self.missing[:20])
+                + (" ..." if len(self.missing) > 20 else "")
+            )
+        if self.busy:
+            parts.append(
+                "only done or failed items can be re-run, not "
+                + ", ".join(f"{i} ({s})" for i, s in list(self.busy.items())[:20])
+                + (" ..." if len(self.busy) > 20 else "")
+            )
+        super().__init__("Nothing was re-run: " + "; ".join(parts) + ".")

@@ -10,13 +10,16 @@ one transaction.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from enum import StrEnum
+from typing import Any
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import models
-from django.db.models import F, Min, Q
+from django.db.models import F, Func, Min, Q, Value
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
@@ -115,6 +118,40 @@ class Worker(models.Model):
 # --- Jobs ---------------------------------------------------------------------
 
 
+class RequiresMet(Func):
+    """True when a job's own requirement (``Job.requires``, a flat JSON object
+    of label strings, ``{}`` for none: the common case) is satisfied by
+    ``labels``: ``batches.labels.satisfies`` in SQL, so a claim filters the
+    jobs it may take in the query. PostgreSQL: jsonb containment (``{}`` is
+    contained in anything). SQLite: no key of the requirement whose value
+    the labels lack (``json_each``; a key is quoted in the JSON path, so a
+    dot in it is no path step)."""
+
+    output_field = models.BooleanField()
+    conditional = True
+
+    def __init__(self, labels: Mapping[str, str], column: str = "requires") -> None:
+        super().__init__(F(column), Value(json.dumps(dict(labels))))
+
+    def as_sql(  # type: ignore[override]
+        self, compiler: Any, connection: Any, **extra: Any
+    ) -> tuple[str, tuple[Any, ...]]:
+        column, labels = self.get_source_expressions()
+        column_sql, column_params = compiler.compile(column)
+        labels_sql, labels_params = compiler.compile(labels)
+        if connection.vendor == "postgresql":
+            return (
+                f"({column_sql} <@ ({labels_sql})::jsonb)",
+                (*column_params, *labels_params),
+            )
+        return (
+            f"NOT EXISTS (SELECT 1 FROM json_each({column_sql}) AS need WHERE "
+            f"json_extract({labels_sql}, '$.\"' || need.key || '\"') "
+            f"IS NOT need.value)",
+            (*column_params, *labels_params),
+        )
+
+
 class JobQuerySet(models.QuerySet):
     """Reads: chain freely, never write."""
 
@@ -124,6 +161,11 @@ class JobQuerySet(models.QuerySet):
             available_at__lte=now,
             attempts__lt=F("max_attempts"),
         )
+
+    def serving(self, labels: Mapping[str, str]) -> JobQuerySet:
+        """The jobs whose own requirement (a re-run's, ``Job.requires``)
+        ``labels`` satisfy; their batch's requirement is checked apart."""
+        return self.filter(RequiresMet(labels))
 
     def expired(self, now: datetime | Now) -> JobQuerySet:
         return self.filter(status=JobStatus.LEASED, lease_expires_at__lt=now)
@@ -176,6 +218,18 @@ class Job(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
     finished_at = models.DateTimeField(null=True, blank=True)
+    # The worker labels this job needs on top of its batch's ``requires``: set
+    # by a re-run (``transitions.rerun``) for the run it starts, {} otherwise
+    # (a claim checks it with ``RequiresMet``).
+    requires = models.JSONField(
+        default=dict,
+        db_default=Value({}, output_field=models.JSONField()),
+        blank=True,
+        decoder=StoredJSONDecoder,
+    )
+    # Which run of the job this is: 1, then one more per re-run (``JobRun``
+    # keeps each earlier run).
+    run = models.PositiveIntegerField(default=1, db_default=1)
 
     objects = JobQuerySet.as_manager()
 
@@ -247,6 +301,56 @@ class Job(models.Model):
         return f"job {self.pk} ({self.status})"
 
 
+# --- Earlier runs of a job -------------------------------------------------------
+
+
+class JobRun(models.Model):
+    """One earlier run of a job, kept when the job was re-run
+    (``transitions.rerun``, in its transaction): how it ended, its result and
+    quality flags, who ran it, and the requirement it had. The job's current
+    run is the job itself (``Job.run``); its ledger rows (``Lease``) with an
+    id up to ``last_lease_id`` belong to this run or an earlier one."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs")
+    number = models.PositiveIntegerField()
+    status = models.CharField(max_length=16, choices=JobStatus.choices)
+    result = models.JSONField(null=True, blank=True, decoder=StoredJSONDecoder)
+    error = models.TextField(blank=True, default="")
+    flags = models.JSONField(default=list, blank=True, decoder=StoredJSONDecoder)
+    attempts = models.PositiveIntegerField(default=0)
+    requires = models.JSONField(default=dict, blank=True, decoder=StoredJSONDecoder)
+    worker = models.ForeignKey(
+        "Worker",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    finished_at = models.DateTimeField(null=True, blank=True)
+    last_lease_id = models.BigIntegerField(null=True, blank=True)
+    rerun_at = models.DateTimeField()
+    rerun_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["job", "number"], name="job_run_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.number} of job {self.job_id} ({self.status})"
+
+    @property
+    def item_status(self) -> str:
+        """How the run left the item (done, failed)."""
+        return item_status_for(self.status)
+
+
 # --- The lease ledger ---------------------------------------------------------
 
 
@@ -314,6 +418,7 @@ class Event(models.Model):
         BATCH_PAUSED = "batch_paused"
         BATCH_RESUMED = "batch_resumed"
         BATCH_CHANGED = "batch_changed"
+        RERUN = "rerun", "Re-run"
 
     created_at = models.DateTimeField(default=timezone.now)
     kind = models.CharField(max_length=32, choices=Kind.choices)

@@ -39,6 +39,11 @@ urlpatterns = [
     path("api/v1/batches/<int:batch_id>/resume", operator_api.batch_resume),
     path("api/v1/batches/<int:batch_id>/cancel", operator_api.batch_cancel),
     path("api/v1/batches/<int:batch_id>/retry", operator_api.batch_retry),
+    path(
+        "api/v1/batches/<int:batch_id>/rerun",
+        operator_api.batch_rerun,
+        name="operator-api-rerun",
+    ),
     re_path(r"^api/", worker_api.not_found),
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),

@@ -33,13 +33,14 @@ from django.utils.html import format_html
 from django.utils.text import Truncator
 
 from batches.flags import FLAG_COLUMNS
-from batches.models import Batch, BatchItem
+from batches.models import Batch, BatchItem, ItemStatus
 from console.admin.support import (
     BatchFilter,
     BigTableAdmin,
     changelist_link,
     id_search,
     link_to_id,
+    log_change_by_id,
 )
 from console.forms import RequiresField
 from console.live import fragment
@@ -51,7 +52,7 @@ from engine.progress import (
     progress_for_many,
 )
 from jobs import transitions
-from jobs.exceptions import BatchClosed
+from jobs.exceptions import BatchClosed, RerunRefused
 from jobs.models import Event, Job
 
 
@@ -333,6 +334,10 @@ class BatchAdmin(admin.ModelAdmin):
         )
 
 
+# Items one admin re-run takes (a selection across pages may name millions).
+MAX_RERUN = 10_000
+
+
 @admin.register(BatchItem)
 class BatchItemAdmin(BigTableAdmin):
     list_display = (
@@ -364,9 +369,56 @@ class BatchItemAdmin(BigTableAdmin):
         "updated_at",
     )
     readonly_fields = fields
+    actions = ("rerun_items",)
 
     def get_queryset(self, request) -> QuerySet:
         return super().get_queryset(request).select_related("batch", "job")
+
+    def has_rerun_permission(self, request: HttpRequest) -> bool:
+        # The batch's change permission, as on the batch page and the API.
+        return request.user.has_perm("batches.change_batch")
+
+    @admin.action(
+        description="Re-run the selected done or failed items",
+        permissions=["rerun"],
+    )
+    def rerun_items(self, request: HttpRequest, queryset: QuerySet) -> None:
+        """``transitions.rerun`` for the selected items that are done or
+        failed, one re-run (one transaction, one event) per batch; the others
+        are skipped. No requirement: the batch page and the Operator API take
+        one."""
+        chosen = queryset.filter(status__in=[ItemStatus.DONE, ItemStatus.FAILED])
+        by_batch: dict[int, list[int]] = {}
+        for batch_id, pk in chosen.values_list("batch_id", "pk")[:MAX_RERUN]:
+            by_batch.setdefault(batch_id, []).append(pk)
+        total = 0
+        for batch_id, items in sorted(by_batch.items()):
+            try:
+                n = transitions.rerun(batch_id, items=items, actor=request.user)
+            except (BatchClosed, RerunRefused) as refused:
+                why = "it is cancelled" if isinstance(refused, BatchClosed) else refused
+                self.message_user(
+                    request,
+                    f"Batch {batch_id}: nothing re-run ({why}).",
+                    messages.WARNING,
+                )
+                continue
+            log_change_by_id(
+                request,
+                [
+                    (BatchItem, pk, f"item {pk}", "Re-run: queued again as a new run.")
+                    for pk in items
+                ],
+            )
+            total += n
+        skipped = queryset.count() - sum(len(i) for i in by_batch.values())
+        self.message_user(
+            request,
+            f"Re-running {total} item{'s' * (total != 1)} as a new run"
+            + (f"; {skipped} skipped (not done or failed)" if skipped > 0 else "")
+            + ".",
+            messages.SUCCESS,
+        )
 
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet, search_term: str

@@ -44,7 +44,7 @@ from console.admin.support import (
 )
 from engine.sweep import sweep
 from jobs import transitions
-from jobs.models import Event, Job, JobStatus, Lease
+from jobs.models import Event, Job, JobRun, JobStatus, Lease
 
 # --- Filters ------------------------------------------------------------------
 
@@ -122,6 +122,31 @@ class EventInline(ReadOnlyInline):
         return super().get_queryset(request).select_related("actor")
 
 
+class RunInline(ReadOnlyInline):
+    """Earlier runs of the job (a re-run keeps each one)."""
+
+    model = JobRun
+    verbose_name = "earlier run"
+    verbose_name_plural = "earlier runs (kept by re-runs)"
+    fields = (
+        "number",
+        "status",
+        "attempts",
+        "worker",
+        "finished_at",
+        "flags",
+        "requires",
+        "rerun_at",
+        "rerun_by",
+        "error",
+    )
+    readonly_fields = fields
+    ordering = ("number",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        return super().get_queryset(request).select_related("worker", "rerun_by")
+
+
 @admin.register(Job)
 class JobAdmin(BigTableAdmin):
     list_display = (
@@ -149,7 +174,7 @@ class JobAdmin(BigTableAdmin):
         "A job id, a whole lease token, or part of the item's source (case matters)."
     )
     actions = ("force_reclaim", "requeue_failed", "cancel_queued", "run_reconcile")
-    inlines = (LeaseInline, EventInline)
+    inlines = (RunInline, LeaseInline, EventInline)
     fieldsets = (
         (
             None,
@@ -159,6 +184,8 @@ class JobAdmin(BigTableAdmin):
                     "status",
                     "item_column",
                     "batch_column",
+                    "run",
+                    "requires",
                     "attempts",
                     "max_attempts",
                     "available_at",

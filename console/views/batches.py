@@ -36,11 +36,18 @@ from django.views.decorators.http import require_GET, require_POST
 
 from batches.flags import FLAG_COLUMNS
 from batches.intake_records import Intake, IntakeStatus
+from batches.labels import LabelError, format_pairs
 from batches.models import Batch, BatchItem, ItemStatus
 from batches.numbers import MAX_ID, whole_number
 from batches.roles import viewer_required
 from batches.streaming import EXPORTS, export_response
-from console.forms import ItemFilterForm, NewBatchForm, RequiresForm, ShareForm
+from console.forms import (
+    ItemFilterForm,
+    NewBatchForm,
+    RequiresForm,
+    RerunForm,
+    ShareForm,
+)
 from console.live import fragment
 from console.uploads import ManifestSizeLimit, ManifestTooLarge
 from engine.background_intake import stale_after, start_intake
@@ -55,7 +62,7 @@ from engine.progress import (
     progress_for_many,
 )
 from jobs import transitions
-from jobs.exceptions import BatchClosed
+from jobs.exceptions import BatchClosed, RerunRefused
 from jobs.models import (
     DeliveryStatus,
     Job,
@@ -298,6 +305,10 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
         # Who may change what the batch requires of workers (while it is open).
         "can_change": user.has_perm("batches.change_batch"),
         "requires_form": RequiresForm(initial={"requires": batch.requires}),
+        # Re-run (the change permission too): ticked items or a flag.
+        "rerun_form": RerunForm(),
+        "rerun_allowed": user.has_perm("batches.change_batch")
+        and batch.cancelled_at is None,
         "live_leases": Job.objects.filter(status=JobStatus.LEASED).count(),
         "can_export": user.has_perm("batches.export_batch"),
         # Webhook URLs often carry the receiver's credentials (a path or query
@@ -360,8 +371,19 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
         BatchItem.objects.select_related("batch", "job__leased_by"), pk=pk
     )
     job = item.job
-    leases = job.leases.select_related("worker").order_by("claimed_at", "pk")
+    leases = list(job.leases.select_related("worker").order_by("claimed_at", "pk"))
     events = job.events.select_related("actor").order_by("-created_at", "-pk")
+    # Earlier runs (re-runs keep them), newest first; each lease is shown with
+    # the run it belonged to (its ledger row id is at most the run's last).
+    runs = list(job.runs.select_related("worker", "rerun_by").order_by("-number"))
+    for lease in leases:
+        lease.run = min(  # type: ignore[attr-defined]
+            (r.number for r in runs if r.last_lease_id and lease.pk <= r.last_lease_id),
+            default=job.run,
+        )
+    for run in runs:
+        text = run.result.get("text") if isinstance(run.result, dict) else None
+        run.text = text if isinstance(text, str) else ""  # type: ignore[attr-defined]
     # A stored result is read as it is: rows written before the API checked
     # them as closely may hold any JSON value.
     result = job.result if isinstance(job.result, dict) else {}
@@ -377,6 +399,7 @@ def item_detail(request: HttpRequest, pk: int) -> HttpResponse:
             "job": job,
             "leases": leases,
             "events": events,
+            "runs": runs,
             "transcript": text[:5000],
             "transcript_truncated": len(text) > 5000,
             "segments": len(segments) if isinstance(segments, list) else 0,
@@ -649,6 +672,66 @@ def batch_requires(request: HttpRequest, pk: int) -> HttpResponse:
     else:
         messages.info(request, "Nothing to change.")
     return redirect(_back(request, batch))
+
+
+# Items one re-run from the page may name (a page shows at most 100).
+MAX_RERUN_ITEMS = 1000
+
+
+@require_POST
+@login_required
+@permission_required("batches.change_batch", raise_exception=True)
+def batch_rerun(request: HttpRequest, pk: int) -> HttpResponse:
+    """Re-run the ticked done or failed items, or every done item with a flag
+    (``transitions.rerun``), optionally requiring worker labels of the new
+    run: the batch's change permission, as the Operator API's re-run."""
+    batch = get_object_or_404(Batch, pk=pk)
+    form = RerunForm(request.POST)
+    back = redirect(_back(request, batch) + "#items")
+    if not form.is_valid():
+        problems = " ".join(str(e) for errors in form.errors.values() for e in errors)
+        messages.error(request, f"Nothing was re-run. {problems}")
+        return back
+    flag = form.cleaned_data["flag"] or None
+    raw = request.POST.getlist("item")
+    items = [whole_number(value) for value in raw[: MAX_RERUN_ITEMS + 1]]
+    if flag is None and not raw:
+        messages.error(
+            request, "Nothing was re-run: tick the items to re-run, or choose a flag."
+        )
+        return back
+    if flag is None and (
+        len(raw) > MAX_RERUN_ITEMS
+        or any(i is None or not 0 < i <= MAX_ID for i in items)
+    ):
+        messages.error(request, "Nothing was re-run: the items ticked are not valid.")
+        return back
+    try:
+        n = transitions.rerun(
+            batch,
+            items=None if flag else [i for i in items if i is not None],
+            flag=flag,
+            requires=form.cleaned_data["requires"],
+            actor=request.user,
+        )
+    except BatchClosed:
+        messages.error(request, "Nothing was re-run: the batch is cancelled.")
+        return back
+    except RerunRefused as refused:
+        messages.error(request, str(refused))
+        return back
+    except LabelError as error:
+        messages.error(request, f"Nothing was re-run. {error}.")
+        return back
+    need = form.cleaned_data["requires"]
+    scope = f" flagged {flag}" if flag else ""
+    messages.success(
+        request,
+        f"Re-running {n} item{'s' * (n != 1)}{scope}"
+        + (f" on workers offering {format_pairs(need)}" if need else "")
+        + ": queued as a new run; the earlier results stay in each item's history.",
+    )
+    return back
 
 
 @operator_action

@@ -35,6 +35,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import QuerySet
 
+from batches.flags import parse_flag
 from batches.labels import Labels, clean_labels
 from batches.models import Batch
 from jobs.exceptions import TooManyLeases
@@ -93,6 +94,7 @@ __all__ = [
     "release",
     "release_webhook_dispatcher",
     "reopen_batch_of",
+    "rerun",
     "restore_lease_row",
     "resume_batch",
     "retry_failed",
@@ -434,6 +436,43 @@ def retry_failed(
     """failed -> queued with fresh attempts for the failed jobs of ``jobs``
     (not those of cancelled batches), reopening their batches, in chunks."""
     return actions.retry_failed(jobs, now=_now(now), actor=actor, audit=audit)
+
+
+def rerun(
+    batch: Batch | int,
+    *,
+    items: Sequence[int] | None = None,
+    flag: str | None = None,
+    requires: Mapping[str, str] | None = None,
+    actor: Any = None,
+    now: datetime | None = None,
+) -> int:
+    """done/failed -> queued as a new run, for the chosen ``items`` (item
+    ids) of a batch or every done item with quality flag ``flag`` (exactly
+    one of the two); returns how many.
+
+    Attempts count afresh, the previous run is kept (``JobRun``: result,
+    flags, worker, requirement) and the item's flags and flag counts are
+    cleared until it completes again; ``requires`` (worker labels, checked by
+    ``batches.labels.clean_labels``: LabelError) applies to these jobs only,
+    on top of the batch's. A finished batch runs again and finishes again,
+    with a new ``batch.finished`` event, as after ``retry_failed``. One
+    transaction, audited by one event (who, how many, which requirement).
+    RerunRefused when a named item is not the batch's or is not done or
+    failed, BatchClosed for a cancelled batch, UnknownFlag for a flag that
+    is not one; nothing is written then."""
+    if (items is None) == (flag is None):
+        raise ValueError("a re-run names either items or a flag")
+    if flag is not None:
+        flag = parse_flag(flag)
+    return actions.rerun(
+        batch if isinstance(batch, int) else batch.pk,
+        items=items,
+        flag=flag,
+        requires=clean_labels(requires, what="requires"),
+        now=_now(now),
+        actor=actor,
+    )
 
 
 def cancel_batch(

@@ -17,12 +17,22 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import F, Max, QuerySet
 
-from batches.labels import format_pairs
-from batches.models import Batch
-from jobs.exceptions import BatchClosed
-from jobs.models import Event, Job, JobQuerySet, JobStatus, LeaseEnd, Worker
+from batches.flags import FLAG_COLUMNS
+from batches.labels import LabelError, format_pairs
+from batches.models import Batch, BatchItem
+from jobs.exceptions import BatchClosed, RerunRefused
+from jobs.models import (
+    Event,
+    Job,
+    JobQuerySet,
+    JobRun,
+    JobStatus,
+    Lease,
+    LeaseEnd,
+    Worker,
+)
 
 from .outbox import finish_if_done, finishing
 from .rows import (
@@ -451,6 +461,196 @@ def retry_failed(
         audit,
         now=now,
     )
+
+
+# What a re-run may send back to the queue: items that finished, well or not.
+RERUNNABLE = (JobStatus.COMPLETED, JobStatus.FAILED)
+# What the re-run of a completed job is tallied as: it was completed once, and
+# the fleet's "jobs completed" total (the counters plus this) only ever grows.
+COMPLETED_RERUN = "jobs_completed_rerun"
+
+
+def rerun(
+    batch_id: int,
+    *,
+    items: Sequence[int] | None = None,
+    flag: str | None = None,
+    requires: dict[str, str],
+    now: datetime,
+    actor: Any = None,
+) -> int:
+    """Run again, as a new run, the chosen items of a batch (``items``: their
+    ids) or every done item with quality flag ``flag``; returns how many.
+
+    Only done and failed items may be re-run. Named items that are not the
+    batch's, or are queued, in flight or cancelled, refuse the whole re-run
+    (RerunRefused: nothing written); a flag selects done items only (only
+    they have flags), so it never refuses. A cancelled batch refuses it
+    (BatchClosed); so does a requirement that gives a key the batch requires
+    another value (LabelError: no worker could take the jobs). ``requires``
+    (already checked by ``clean_labels``) is the requirement of the new run,
+    on top of the batch's: only workers whose labels satisfy both take those
+    jobs.
+
+    One transaction: for each job (locked, in id order, a chunk of
+    ``RECALL_CHUNK_SIZE`` per statement), its run so far is kept as a
+    ``JobRun`` (status, result, flags, error, attempts, requirement, worker,
+    finish, its last ledger row); the job goes back to queued with fresh
+    attempts, no result, the new requirement and the next run number; the item
+    to queued, its flags cleared, the counters (flag counts too) shifted
+    (``move_jobs``). Then the batch, locked last as every transition locks
+    it and held to the commit, is reopened if it had finished (it finishes
+    again, with a new ``batch.finished`` event, when the re-run items end),
+    and one event says who re-ran how many items and with which requirement.
+    A cancel committed before that lock refuses the whole re-run
+    (BatchClosed, nothing written); one after it cancels the queued items."""
+    with transaction.atomic():
+        batch = Batch.objects.filter(pk=batch_id).only("cancelled_at", "requires").get()
+        if batch.cancelled_at is not None:
+            raise BatchClosed(batch_id, "cancelled")
+        clash = {
+            key: value
+            for key, value in requires.items()
+            if key in batch.requires and batch.requires[key] != value
+        }
+        if clash:
+            # No worker could take such a job: refused rather than stranded.
+            raise LabelError(
+                f"requires {format_pairs(clash)}: the batch requires "
+                f"{format_pairs({k: batch.requires[k] for k in clash})}, and no "
+                f"worker can offer both"
+            )
+        if items is not None:
+            wanted = sorted(set(items))
+            found = {
+                item_id: (pk, status, item_status)
+                for item_id, pk, status, item_status in Job.objects.filter(
+                    batch_id=batch_id, item_id__in=wanted
+                ).values_list("item_id", "pk", "status", "item__status")
+            }
+            missing = [i for i in wanted if i not in found]
+            busy = {
+                item_id: item_status
+                for item_id, (_, status, item_status) in found.items()
+                if status not in RERUNNABLE
+            }
+            if missing or busy:
+                raise RerunRefused(batch_id, missing=missing, busy=busy)
+            ids = sorted(pk for pk, _, _ in found.values())
+        elif flag is not None:
+            flagged = BatchItem.objects.filter(
+                batch_id=batch_id, **{FLAG_COLUMNS[flag]: True}
+            ).values("pk")
+            ids = sorted(
+                Job.objects.filter(item_id__in=flagged).values_list("pk", flat=True)
+            )
+        else:
+            raise ValueError("a re-run names items or a flag")
+        total = 0
+        chunk = settings.RECALL_CHUNK_SIZE
+        for start in range(0, len(ids), chunk):
+            jobs = list(
+                Job.objects.filter(pk__in=ids[start : start + chunk])
+                .locked()
+                .order_by("pk")
+            )
+            if items is not None:  # checked again under the locks
+                busy = {
+                    j.item_id: j.item.status for j in jobs if j.status not in RERUNNABLE
+                }
+                if busy:
+                    raise RerunRefused(batch_id, busy=busy)
+            # A flag's items that a concurrent re-run already sent back.
+            jobs = [
+                j
+                for j in jobs
+                if j.status in RERUNNABLE and (flag is None or flag in j.item.flags)
+            ]
+            _start_runs(jobs, requires=requires, now=now, actor=actor)
+            total += len(jobs)
+        if total:
+            # The batch row's lock, after the counters (every transition locks
+            # batches last), held to the commit: a finish check (which takes
+            # it too) waits and then sees the items queued, and a cancel that
+            # came first is seen (the whole re-run is refused then).
+            cancelled, finished = (
+                Batch.objects.select_for_update(no_key=True)
+                .filter(pk=batch_id)
+                .values_list("cancelled_at", "finished_at")
+                .get()
+            )
+            if cancelled is not None:
+                raise BatchClosed(batch_id, "cancelled")
+            reopened = finished is not None
+            if reopened:
+                Batch.objects.filter(pk=batch_id).update(finished_at=None)
+                rejoin_share([batch_id])
+            need = format_pairs(requires)
+            record_event(
+                Event.Kind.RERUN,
+                f"Re-ran {total} item{'s' * (total != 1)}"
+                + (f" with flag {flag}" if flag is not None else "")
+                + (f", requiring {need}" if need else ", with no requirement")
+                + (" (the batch is running again)." if reopened else "."),
+                at=now,
+                batch_id=batch_id,
+                actor=actor,
+            )
+    return total
+
+
+def _start_runs(
+    jobs: Sequence[Job], *, requires: dict[str, str], now: datetime, actor: Any
+) -> None:
+    """Keep each locked job's run so far (``JobRun``) and queue it as a new one."""
+    if not jobs:
+        return
+    pks = [j.pk for j in jobs]
+    last: dict[int, int] = dict(
+        Lease.objects.filter(job_id__in=pks)
+        .values("job_id")
+        .annotate(last=Max("pk"))
+        .values_list("job_id", "last")
+        .order_by()
+    )
+    ran_by: dict[int, int] = dict(
+        Lease.objects.filter(pk__in=last.values()).values_list("pk", "worker")
+    )
+    JobRun.objects.bulk_create(
+        JobRun(
+            job_id=j.pk,
+            number=j.run,
+            status=j.status,
+            result=j.result,
+            error=j.last_error,
+            flags=j.item.flags,
+            attempts=j.attempts,
+            requires=j.requires or {},
+            worker_id=ran_by.get(last.get(j.pk, 0)),
+            finished_at=j.finished_at,
+            last_lease_id=last.get(j.pk),
+            rerun_at=now,
+            rerun_by=actor,
+        )
+        for j in jobs
+    )
+    groups = group_by(jobs, "status")
+    for group in groups.values():
+        move_jobs(
+            group,
+            to=JobStatus.QUEUED,
+            now=now,
+            attempts=0,
+            result=None,
+            last_error="",
+            requires=requires,
+        )
+    Job.objects.filter(pk__in=pks).update(run=F("run") + 1)
+    for j in jobs:
+        j.run += 1
+    # Finished once, and counted so: the totals only ever grow.
+    add_tally("jobs_failed_retried", len(groups.get(JobStatus.FAILED, [])))
+    add_tally(COMPLETED_RERUN, len(groups.get(JobStatus.COMPLETED, [])))
 
 
 def _in_chunks(

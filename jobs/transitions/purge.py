@@ -40,6 +40,7 @@ from jobs.models import (
     TERMINAL_JOB_STATUSES,
     Event,
     Job,
+    JobRun,
     JobStatus,
     Lease,
     WebhookEvent,
@@ -124,6 +125,7 @@ def _delete_jobs(batch_id: int, jobs: Sequence[tuple[int, str, int]]) -> None:
     WebhookEvent.objects.filter(batch_id=batch_id, item_id__in=item_ids).delete()
     _delete(Event, "job_id", job_ids)
     _delete(Lease, "job_id", job_ids)
+    _delete(JobRun, "job_id", job_ids)
     _delete(Job, "id", job_ids)
     _delete(BatchItem, "id", item_ids)
     _drop_from_counters(batch_id, items)

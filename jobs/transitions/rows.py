@@ -115,6 +115,10 @@ def move_jobs(
         values["finished_at"] = None
     elif to in TERMINAL_JOB_STATUSES:
         values["finished_at"] = now
+    if to == JobStatus.CANCELLED:
+        # A cancelled job will not run: a re-run's requirement no longer
+        # applies to anything (its run is cancelled; JobRun keeps the ones before).
+        values["requires"] = {}
     update = dict(values)
     if refund_attempt:
         update["attempts"] = F("attempts") - 1

@@ -41,6 +41,8 @@
   }
 
   async function refresh(region) {
+    // Items ticked for a re-run would be lost with the region: keep it until sent.
+    if (region.querySelector("input[type=checkbox]:checked")) return say("paused: items ticked");
     let response;
     try {
       response = await fetch(region.dataset.liveUrl, {

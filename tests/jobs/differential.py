@@ -20,14 +20,16 @@ from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.test.utils import override_settings
 
+from batches.labels import LabelError
 from batches.models import Batch, BatchCounter, BatchItem, BatchMinute, ItemStatus
 from engine.reconcile import reconcile
 from engine.sweep import sweep
 from jobs import transitions
-from jobs.exceptions import BatchClosed, LeaseLost, TooManyLeases
+from jobs.exceptions import BatchClosed, LeaseLost, RerunRefused, TooManyLeases
 from jobs.models import (
     Event,
     Job,
+    JobRun,
     Lease,
     SweepState,
     Tally,
@@ -54,6 +56,7 @@ TABLES = [
     WebhookEndpoint,
     Event,
     Lease,
+    JobRun,
     Job,
     BatchMinute,
     BatchCounter,
@@ -351,6 +354,33 @@ def _retry(world: World, b: int) -> Any:
     return transitions.retry_failed(jobs, actor=world.actor, now=world.now)
 
 
+def _rerun(world: World, b: int, chosen: str, r: int = 0) -> Any:
+    """Re-run batch ``b``'s items requiring ``REQUIRES[r]``: ``chosen`` is
+    "all" (every item: refused while one is queued or in flight), "ended"
+    (its done and failed items) or a quality flag."""
+    batch = _batch(world, b)
+    items = BatchItem.objects.filter(batch=batch).order_by("pk")
+    if chosen == "ended":
+        items = items.filter(status__in=[ItemStatus.DONE, ItemStatus.FAILED])
+    selection: dict[str, Any] = (
+        {"flag": chosen}
+        if chosen not in ("all", "ended")
+        else {"items": list(items.values_list("pk", flat=True))}
+    )
+    if selection.get("items") == []:
+        return "nothing to name"
+    try:
+        return transitions.rerun(
+            batch, requires=REQUIRES[r], actor=world.actor, now=world.now, **selection
+        )
+    except RerunRefused as refused:
+        return ("refused", refused.missing, refused.busy)
+    except BatchClosed:
+        return "batch_closed"
+    except LabelError:
+        return "label_error"
+
+
 def _pause(world: World, b: int) -> Any:
     return transitions.pause_batch(_batch(world, b), actor=world.actor, now=world.now)
 
@@ -426,6 +456,7 @@ _APPLY = {
     "cancel_batch": _cancel_batch,
     "cancel_queued": _cancel_queued,
     "retry": _retry,
+    "rerun": _rerun,
     "pause": _pause,
     "resume": _resume,
     "settle": _settle,

@@ -215,6 +215,35 @@ CASES = {
         ("complete", 5),
         ("settle",),
     ],
+    "a re-run queues ended items as a new run, routed by its requirement": [
+        *[("claim", 0)] * 3,  # leases 0-2: batch 1's jobs (priority 5)
+        ("complete", 0, ""),
+        ("complete", 1),
+        ("fail", 2, False),  # batch 1 finishes
+        ("rerun", 1, "ended", 2),  # all three, requiring gpu=a100, model=large-v3
+        ("rerun", 1, "all", 0),  # refused: they are queued now
+        ("rerun", 1, "short", 1),  # nothing flagged any more
+        ("claim", 0),  # lease 3: batch 0 (batch 1's jobs need labels)
+        ("claim", 1, 1),  # lease 4: gpu=a100 alone is not enough either
+        ("claim", 2, 2),  # lease 5: batch 1's first re-run job
+        ("claim_many", 2, 3, 2),  # leases 6, 7: the other two
+        ("release", 6),
+        ("tick", 61),
+        ("reclaim",),  # the re-run keeps its requirement when requeued
+        ("claim", 0),  # lease 8: batch 0 again, never batch 1
+        ("claim", 2, 2),  # lease 9
+        ("cancel_job", 5),
+        ("complete", 9, "a b c"),
+        ("complete", 3, "t"),
+        ("complete", 8, "t"),
+        ("claim_many", 2, 3, 2),  # leases 10-12
+        *[("complete", k, "t") for k in (10, 11, 12)],
+        ("rerun", 0, "ended", 3),  # requiring gpu=h100: no worker offers it
+        ("sweep",),
+        ("reconcile",),
+        ("cancel_batch", 1),
+        ("rerun", 1, "ended", 0),  # batch_closed
+    ],
     "expiry on the last attempt reports the item and finishes the batch": [
         *[("claim", w) for w in range(3)] * 2,
         ("tick", 61),
@@ -420,6 +449,14 @@ class BackendsAgree(RuleBasedStateMachine):
     @rule(b=st.integers(0, 2))
     def retry(self, b):
         self._do("retry", b)
+
+    @rule(
+        b=st.integers(0, 2),
+        chosen=st.sampled_from(["all", "ended", "empty", "short"]),
+        r=st.integers(0, 3),
+    )
+    def rerun(self, b, chosen, r):
+        self._do("rerun", b, chosen, r)
 
     @rule(b=st.integers(0, 2), pause=st.booleans())
     def pause_or_resume(self, b, pause):

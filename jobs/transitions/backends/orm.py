@@ -227,9 +227,11 @@ class OrmBackend:
         self, now: datetime, labels: Labels
     ) -> tuple[bool, bool, Iterable[Candidate]]:
         """(reclaim first?, finish a cancel first?, the first
-        ``CLAIM_BATCH_CANDIDATES`` open batches with a claimable job, room
+        ``CLAIM_BATCH_CANDIDATES`` open batches with a claimable job whose own
+        requirement (a re-run's, ``Job.requires``) ``labels`` satisfy, room
         under their cap and requirements ``labels`` satisfy, in claim order).
-        Here each chore probes itself.
+        Here each chore probes itself. A batch whose only claimable jobs need
+        labels the worker lacks is no candidate: it never hides another's.
 
         The requirements are matched in Python (``satisfies``: SQLite has no
         JSON containment), page after page of the claim order, so batches the
@@ -243,7 +245,13 @@ class OrmBackend:
         )
         candidates = (
             Batch.objects.open()
-            .filter(Exists(Job.objects.claimable(now).filter(batch=OuterRef("pk"))))
+            .filter(
+                Exists(
+                    Job.objects.claimable(now)
+                    .serving(labels)
+                    .filter(batch=OuterRef("pk"))
+                )
+            )
             .filter(
                 Q(max_in_flight__isnull=True)
                 | Q(max_in_flight__gt=Coalesce(Subquery(live), 0))
@@ -278,6 +286,7 @@ class OrmBackend:
                         return None
                     job = (
                         Job.objects.claimable(now)
+                        .serving(labels)  # a re-run's own requirement
                         .filter(
                             batch_id=candidate.batch_id,
                             batch__paused_at__isnull=True,

@@ -304,6 +304,15 @@ CHORES = sql(
 # that requires nothing ({}) is contained in any labels.
 SERVES = sql("b.{batch.requires} <@ %(labels)s::jsonb")
 
+# A job (alias j) whose own requirement (a re-run's, ``Job.requires``; {} for
+# nearly every job, contained in any labels) the claiming worker's labels
+# satisfy: the worker must serve the batch (``SERVES``) and the job. Checked
+# on the claim index's rows as they are walked: a plain job passes at once,
+# and a batch whose only claimable jobs need labels the worker lacks yields
+# no candidate (it never hides another batch's work), at the cost of walking
+# those jobs (a re-run's, few).
+JOB_SERVES = sql("j.{job.requires} <@ %(labels)s::jsonb")
+
 
 # Open batches the worker can serve (``SERVES``) with a claimable job and room
 # under their in-flight cap (and
@@ -323,6 +332,7 @@ def candidates(*, unless: str = "true") -> str:
     FROM {batch} b
     CROSS JOIN LATERAL (
         SELECT 1 FROM {job} j WHERE j.{job.batch} = b.{batch.id} AND {claimable}
+            AND {job_serves}
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
     ) AS claimable
     WHERE {open_batch} AND {serves} AND {unless} AND (
@@ -333,6 +343,7 @@ def candidates(*, unless: str = "true") -> str:
     )
     ORDER BY b.{batch.priority} DESC, b.{batch.virtual_time}, b.{batch.id}""",
         claimable=CLAIMABLE,
+        job_serves=JOB_SERVES,
         open_batch=OPEN_BATCH,
         serves=SERVES,
         unless=unless,
@@ -377,7 +388,7 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         JOIN {batch} b ON b.{batch.id} = j.{job.batch}
         WHERE j.{job.batch} = {batch_id} AND {claimable}
           AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
-          AND {serves}
+          AND {serves} AND {job_serves}
           AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
@@ -418,6 +429,7 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         item_columns=NAMES["item"].columns("i", "i_"),
         claimable=CLAIMABLE,
         serves=SERVES,
+        job_serves=JOB_SERVES,
         shift=shift_one(
             "moves", (ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED])
         ),
