@@ -108,13 +108,17 @@ def test_each_answer_is_what_the_single_completion_answers(api, other_api):
         )
     together = api.complete_many(world("together")).json()["results"]
 
-    assert [a.get("status") or a["error"] for a in together] == alone == [
-        "completed",
-        "completed",
-        "completed",
-        "lease_lost",
-        "not_found",
-    ]
+    assert (
+        [a.get("status") or a["error"] for a in together]
+        == alone
+        == [
+            "completed",
+            "completed",
+            "completed",
+            "lease_lost",
+            "not_found",
+        ]
+    )
 
 
 def test_replaying_the_call_answers_the_same_and_changes_nothing(api):

@@ -543,7 +543,7 @@ class OrmBackend:
             live = [job for job in held if job.lease_token == asked[job.pk][0]]
             if live:
                 close_leases(live, reason=LeaseEnd.COMPLETED, now=now)
-                flags: dict[int, list[str]] = {}
+                flags: dict[int, tuple[str, ...]] = {}
                 for job in live:
                     result = asked[job.pk][1]
                     values: dict[str, Any] = {
