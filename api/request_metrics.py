@@ -48,6 +48,7 @@ ANSWERED_FROM_THE_START = (
     ("heartbeat", "200"),
     ("heartbeat_many", "200"),
     ("complete", "200"),
+    ("complete_many", "200"),
     ("fail", "200"),
     ("release", "200"),
 )

@@ -9,7 +9,13 @@ every documented response is the only kind of response a request can get.
 from __future__ import annotations
 
 from batches.json_limits import MAX_JSON_DEPTH
-from jobs.transitions.rules import LEASE_LOST, MAX_HEARTBEAT_LEASES, NOT_FOUND
+from jobs.transitions.rules import (
+    COMPLETED,
+    LEASE_LOST,
+    MAX_COMPLETIONS,
+    MAX_HEARTBEAT_LEASES,
+    NOT_FOUND,
+)
 
 # What every JSON body must be, whatever its schema says.
 BODY_RULES = (
@@ -232,6 +238,32 @@ SPEC = {
                 },
             }
         },
+        "/api/v1/complete": {
+            "post": {
+                "operationId": "complete_many",
+                "tags": ["worker"],
+                "summary": "Complete many jobs at once (a worker with several GPUs).",
+                "description": (
+                    "Several results in one call, made in one transaction on "
+                    "the server. Each is judged alone, exactly as the single "
+                    "completion judges it, and answered in the order sent: "
+                    "completed (also for a replay with the token that "
+                    "completed it: the worker may have lost an earlier "
+                    "answer), or lease_lost (not this worker's live lease "
+                    "under that token: the result was not stored) or "
+                    "not_found (no such job). A lost lease never stops the "
+                    "others being completed. The body's size limit is the "
+                    "single completion's, for the whole call. A server older "
+                    "than this call answers 400 or 404: complete each job "
+                    "alone then."
+                ),
+                "requestBody": _body("CompleteManyRequest"),
+                "responses": {
+                    "200": _json("CompleteMany", "One answer per result, in order."),
+                    **ERRORS,
+                },
+            }
+        },
     },
     "components": {
         "securitySchemes": {"workerToken": {"type": "http", "scheme": "bearer"}},
@@ -398,36 +430,107 @@ SPEC = {
                 "required": ["lease_token", "result"],
                 "properties": {
                     "lease_token": TOKEN,
-                    "result": {
-                        "type": "object",
-                        "required": ["text"],
-                        "properties": {
-                            "text": {"type": "string"},
-                            "language": {"type": "string"},
-                            "segments": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["start", "end", "text"],
-                                    "properties": {
-                                        "start": {
-                                            "type": "number",
-                                            "minimum": 0,
-                                            "maximum": 10_000_000,
-                                            "description": "seconds; at most 'end'",
-                                        },
-                                        "end": {
-                                            "type": "number",
-                                            "minimum": 0,
-                                            "maximum": 10_000_000,
-                                            "description": "seconds",
-                                        },
-                                        "text": {"type": "string"},
-                                    },
+                    "result": {"$ref": "#/components/schemas/Result"},
+                },
+            },
+            "Result": {
+                "type": "object",
+                "required": ["text"],
+                "properties": {
+                    "text": {"type": "string"},
+                    "language": {"type": "string"},
+                    "segments": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["start", "end", "text"],
+                            "properties": {
+                                "start": {
+                                    "type": "number",
+                                    "minimum": 0,
+                                    "maximum": 10_000_000,
+                                    "description": "seconds; at most 'end'",
                                 },
+                                "end": {
+                                    "type": "number",
+                                    "minimum": 0,
+                                    "maximum": 10_000_000,
+                                    "description": "seconds",
+                                },
+                                "text": {"type": "string"},
                             },
                         },
                     },
+                },
+            },
+            "CompleteManyRequest": {
+                "type": "object",
+                "required": ["results"],
+                "properties": {
+                    "results": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": MAX_COMPLETIONS,
+                        "description": (
+                            "The job ids distinct; any entry that is not as "
+                            "described (or a result the single completion "
+                            "would refuse) is a 400 for the whole call, and "
+                            "nothing is written."
+                        ),
+                        "items": {
+                            "type": "object",
+                            "required": ["job_id", "lease_token", "result"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "job_id": {"type": "integer"},
+                                "lease_token": TOKEN,
+                                "result": {"$ref": "#/components/schemas/Result"},
+                            },
+                        },
+                    }
+                },
+            },
+            "CompleteMany": {
+                "type": "object",
+                "required": ["results"],
+                "additionalProperties": False,
+                "properties": {
+                    "results": {
+                        "type": "array",
+                        "items": {
+                            "oneOf": [
+                                {
+                                    "type": "object",
+                                    "description": (
+                                        "Completed (now, or before with this "
+                                        "token: a replay)."
+                                    ),
+                                    "required": ["job_id", "status"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "job_id": {"type": "integer"},
+                                        "status": {
+                                            "type": "string",
+                                            "enum": [COMPLETED],
+                                        },
+                                    },
+                                },
+                                {
+                                    "type": "object",
+                                    "description": "Not completed, and why.",
+                                    "required": ["job_id", "error"],
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "job_id": {"type": "integer"},
+                                        "error": {
+                                            "type": "string",
+                                            "enum": [LEASE_LOST, NOT_FOUND],
+                                        },
+                                    },
+                                },
+                            ]
+                        },
+                    }
                 },
             },
             "FailRequest": {

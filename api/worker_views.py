@@ -48,6 +48,8 @@ from jobs.exceptions import LeaseLost, TooManyLeases, WorkerDisabled
 from jobs.models import Job, Worker
 from jobs.tokens import MAX_TOKEN_LENGTH
 from jobs.transitions.rules import (
+    COMPLETED,
+    MAX_COMPLETIONS,
     MAX_HEARTBEAT_LEASES,
     heartbeat_interval,
     max_leases,
@@ -219,6 +221,41 @@ def _result(body: dict) -> dict:
                     f"and a string 'text'."
                 )
     return result
+
+
+def _completions(body: dict) -> list[tuple[int, str, dict]]:
+    """A batched completion's entries: 1 to MAX_COMPLETIONS objects of exactly
+    ``job_id`` (an integer), ``lease_token`` and ``result`` (each as the single
+    completion requires them), the job ids distinct. Any entry that breaks
+    these is a 400 for the whole call, before anything is written."""
+    entries = field(body, "results", list)
+    if not 1 <= len(entries) <= MAX_COMPLETIONS:
+        raise bad_request(
+            f"Field 'results' must hold 1 to {MAX_COMPLETIONS} completions, "
+            f"not {len(entries)}."
+        )
+    checked: list[tuple[int, str, dict]] = []
+    seen: set[int] = set()
+    for n, entry in enumerate(entries):
+        fields = {"job_id", "lease_token", "result"}
+        if not isinstance(entry, dict) or entry.keys() != fields:
+            raise bad_request(
+                f"results[{n}] must be an object with exactly the fields 'job_id', "
+                f"'lease_token' and 'result'."
+            )
+        job_id = entry["job_id"]
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise bad_request(
+                f"results[{n}].job_id must be an integer, not {json_type(job_id)}."
+            )
+        if job_id in seen:
+            raise bad_request(f"results[{n}] names job {job_id} again.")
+        seen.add(job_id)
+        try:
+            checked.append((job_id, _lease_token(entry), _result(entry)))
+        except ApiError as error:
+            raise bad_request(f"results[{n}]: {error.detail}") from None
+    return checked
 
 
 def _wait_seconds(body: dict) -> float:
@@ -455,6 +492,27 @@ def complete(
     token, result = _lease_token(body), _result(body)
     transitions.complete(_job(job_id), token, worker=worker, result=result, now=now)
     return JsonResponse({"status": "completed"})
+
+
+@worker_endpoint
+def complete_many(
+    request: HttpRequest, worker: Worker, body: dict, *, now
+) -> HttpResponse:
+    """Several results in one call (a worker with several GPUs), each judged
+    as ``complete`` would judge it alone (a replay is completed again): a
+    lost lease never stops the others being completed."""
+    completions = _completions(body)
+    outcomes = transitions.complete_many(completions, worker=worker, now=now)
+    return JsonResponse(
+        {
+            "results": [
+                {"job_id": job_id, "status": COMPLETED}
+                if outcome == COMPLETED
+                else {"job_id": job_id, "error": outcome}
+                for (job_id, _, _), outcome in zip(completions, outcomes, strict=True)
+            ]
+        }
+    )
 
 
 @worker_endpoint

@@ -18,10 +18,13 @@ calls), so callgrind counts them and not Django's start-up. ``model`` calls
 model loop does (row 2); ``http`` sends the worker's two requests through
 Django's WSGI handler in process (every middleware, the views, the request
 metrics as gunicorn's processes keep them), without a socket or gunicorn
-(row 3 less the server). The queue is seeded fresh each run (bench/seed.py),
-finished jobs in front, and one job more than the steps take, so no step
-finishes the batch. ``--profile FILE`` writes a cProfile of the steps (CPU
-time, so waits for the database do not count) instead.
+(row 3 less the server); ``http_many`` a claim of 8 jobs then a completion
+request each, ``http_batched`` the same claim then one batched completion
+(row 21 less the server; CPU per step and per job). The queue is seeded
+fresh each run (bench/seed.py), finished jobs in front, and one job more than
+the steps take, so no step finishes the batch. ``--profile FILE`` writes a
+cProfile of the steps (CPU time, so waits for the database do not count)
+instead.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from collections.abc import Callable
 from datetime import timedelta
 
 WARM_UP = 50
+# The jobs of one claim of the http_many and http_batched steps (row 21's).
+JOBS_PER_CLAIM = 8
 
 
 def _model_step(worker) -> Callable[[], None]:
@@ -52,6 +57,40 @@ def _model_step(worker) -> Callable[[], None]:
 
 
 def _http_step(token: str) -> Callable[[], None]:
+    post = _poster(token)
+
+    def step() -> None:
+        job = json.loads(post("/api/v1/claim", b"{}"))["job"]
+        body = {"lease_token": job["lease_token"], "result": {"text": "ok"}}
+        post(f"/api/v1/jobs/{job['id']}/complete", json.dumps(body).encode())
+
+    return step
+
+
+def _http_many_step(token: str, *, batched: bool) -> Callable[[], None]:
+    """A claim of JOBS_PER_CLAIM jobs (``max_jobs``), then their completions:
+    one batched completion, or one request each (row 21 before it)."""
+    post = _poster(token)
+    claim = json.dumps({"max_jobs": JOBS_PER_CLAIM}).encode()
+    ok = {"text": "ok"}
+
+    def step() -> None:
+        jobs = json.loads(post("/api/v1/claim", claim))["jobs"]
+        if batched:
+            results = [
+                {"job_id": job["id"], "lease_token": job["lease_token"], "result": ok}
+                for job in jobs
+            ]
+            post("/api/v1/complete", json.dumps({"results": results}).encode())
+            return
+        for job in jobs:
+            body = {"lease_token": job["lease_token"], "result": ok}
+            post(f"/api/v1/jobs/{job['id']}/complete", json.dumps(body).encode())
+
+    return step
+
+
+def _poster(token: str) -> Callable[[str, bytes], bytes]:
     from django.core.wsgi import get_wsgi_application
 
     application = get_wsgi_application()
@@ -88,19 +127,14 @@ def _http_step(token: str) -> Callable[[], None]:
             raise RuntimeError(f"{path}: {status[0]} {data[:200]!r}")
         return data
 
-    def step() -> None:
-        job = json.loads(post("/api/v1/claim", b"{}"))["job"]
-        body = {"lease_token": job["lease_token"], "result": {"text": "ok"}}
-        post(f"/api/v1/jobs/{job['id']}/complete", json.dumps(body).encode())
-
-    return step
+    return post
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.hotpath", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("kind", choices=["model", "http"])
+    parser.add_argument("kind", choices=["model", "http", "http_many", "http_batched"])
     parser.add_argument("steps", type=int, help="claim + complete steps to measure")
     parser.add_argument(
         "--database-url", help="a PostgreSQL database (default: a private server)"
@@ -122,11 +156,17 @@ def main(argv: list[str] | None = None) -> int:
 
         seed.reset()
         ((worker, token),) = seed.workers(1, prefix="hotpath")
-        jobs = WARM_UP + args.steps + 1
+        per_step = 1 if args.kind in ("model", "http") else JOBS_PER_CLAIM
+        jobs = (WARM_UP + args.steps) * per_step + 1
         seed.batch(
             "hotpath", now=utcnow() - timedelta(seconds=1), completed=jobs, queued=jobs
         )
-        step = _model_step(worker) if args.kind == "model" else _http_step(token)
+        step = {
+            "model": lambda: _model_step(worker),
+            "http": lambda: _http_step(token),
+            "http_many": lambda: _http_many_step(token, batched=False),
+            "http_batched": lambda: _http_many_step(token, batched=True),
+        }[args.kind]()
         for _ in range(WARM_UP):
             step()
 
@@ -149,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{args.kind}: {args.steps} claim + complete steps, "
             f"{1000 * cpu / args.steps:.3f} ms of CPU each"
+            + (
+                f" ({1000 * cpu / args.steps / per_step:.3f} ms per job)"
+                if per_step > 1
+                else ""
+            )
         )
     finally:
         if server is not None:

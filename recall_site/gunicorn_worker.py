@@ -129,9 +129,11 @@ from recall_site.request_reading import (
 PROBE_FILE_PREFIX = "long-poll-"
 METRICS_DIR_PREFIX = "metrics-"
 
-# Requests that keep leases alive or report health: they go first, and one
+# Requests that keep leases alive, end them or report health: they go first, and one
 # thread of each process is kept for them.
-URGENT_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/api/v1/heartbeat"})
+URGENT_PATHS = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/api/v1/heartbeat", "/api/v1/complete"}
+)
 URGENT_PREFIX = "/api/v1/jobs/"
 # A request still arriving after this long may be closed (after idle
 # connections, the slowest first) when a process needs room for connections.

@@ -120,7 +120,12 @@ class SessionIdleMiddleware:
 
 # The worker API (api/worker_views.py): bearer tokens, JSON, every view CSRF-exempt;
 # no session, no Django user, no flash messages. Its paths, and nothing else's.
-WORKER_API_PREFIXES = ("/api/v1/claim", "/api/v1/jobs/", "/api/v1/heartbeat")
+WORKER_API_PREFIXES = (
+    "/api/v1/claim",
+    "/api/v1/jobs/",
+    "/api/v1/heartbeat",
+    "/api/v1/complete",
+)
 
 
 class PagesOnly:

@@ -15,6 +15,7 @@ urlpatterns = [
         "api/v1/jobs/<int:job_id>/heartbeat", worker_api.heartbeat, name="api-heartbeat"
     ),
     path("api/v1/heartbeat", worker_api.heartbeat_many, name="api-heartbeat-many"),
+    path("api/v1/complete", worker_api.complete_many, name="api-complete-many"),
     path("api/v1/jobs/<int:job_id>/complete", worker_api.complete, name="api-complete"),
     path("api/v1/jobs/<int:job_id>/fail", worker_api.fail, name="api-fail"),
     path("api/v1/jobs/<int:job_id>/release", worker_api.release, name="api-release"),

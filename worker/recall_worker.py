@@ -96,6 +96,8 @@ MAX_JSON_DEPTH = 32
 # (the server's limit), and the most jobs one claim asks for.
 MAX_HEARTBEAT_LEASES = 64
 MAX_CLAIM_JOBS = 32
+# The most results one batched completion carries (the server's limit).
+MAX_COMPLETIONS = 64
 
 # Environment variables the engine subprocess must not inherit (its token).
 PRIVATE_ENV_PREFIXES = ("RECALL_TOKEN", "RECALL_WORKER_")
@@ -1249,13 +1251,14 @@ class Settings:
 class ServerForms:
     """Which forms of the calls for many leases the server takes. A server
     older than them answers 400 (or 404: no such path) to a claim with
-    ``max_jobs`` or to the batched heartbeat; from then on this worker uses
-    the single forms with it (one job per claim, one heartbeat per lease)
-    until it restarts."""
+    ``max_jobs``, to the batched heartbeat or to the batched completion; from
+    then on this worker uses the single forms with it (one job per claim, one
+    heartbeat per lease, one completion per job) until it restarts."""
 
     def __init__(self) -> None:
         self.many_jobs_per_claim = True
         self.batched_heartbeats = True
+        self.batched_completions = True
 
     def single_claims(self, error: ApiError) -> None:
         if self.many_jobs_per_claim:
@@ -1272,6 +1275,15 @@ class ServerForms:
             log.warning(
                 "the server refused a batched heartbeat (%s): heartbeating each "
                 "lease on its own from now on",
+                error,
+            )
+
+    def single_completions(self, error: ApiError) -> None:
+        if self.batched_completions:
+            self.batched_completions = False
+            log.warning(
+                "the server refused a batched completion (%s): completing each "
+                "job on its own from now on",
                 error,
             )
 
@@ -1758,6 +1770,138 @@ def release(api: Api, job: Job, shutdown: Shutdown) -> None:
     log.info("%s released: queued again at once", job.tag)
 
 
+class _Report:
+    """One slot's completion, waiting to be reported."""
+
+    def __init__(self, job: Job, result: dict) -> None:
+        self.job, self.result = job, result
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class Completions:
+    """Reports the slots' results. A result is sent at once when no report is
+    on its way; those that finish while one is (several leases ending close
+    together) go in the next call together, one batched completion
+    (``POST /complete``) for up to MAX_COMPLETIONS of them, each answered
+    alone. A slot waits for its own answer, and sees exactly what the single
+    completion would have told it (``report`` raises the same errors): a
+    lost lease or a gone job is one entry's answer and never stops the
+    others. Against a server that answers 400 or 404 to the batched form
+    (older than it) every result is reported alone from then on; a batch
+    too large for the server's body limit (413) is reported result by
+    result."""
+
+    def __init__(
+        self, api: Api, forms: ServerForms, give_up: Callable[[], bool]
+    ) -> None:
+        self.api, self.forms, self.give_up = api, forms, give_up
+        self._lock = threading.Condition()
+        self._waiting: list[_Report] = []
+        self._sending = False
+
+    def report(self, job: Job, result: dict) -> None:
+        """Report ``job`` completed with ``result``; raise what the single
+        completion would (LeaseLost, Rejected, Refused, GaveUp)."""
+        mine = _Report(job, result)
+        with self._lock:
+            self._waiting.append(mine)
+        while True:
+            with self._lock:
+                while self._sending and not mine.done:
+                    self._lock.wait()
+                if mine.done:
+                    break
+                self._sending = True
+                batch = self._waiting[:MAX_COMPLETIONS]
+                del self._waiting[:MAX_COMPLETIONS]
+            try:
+                self._send(batch)
+            except BaseException as error:  # a bug: no slot may take it for a success
+                for report in batch:
+                    if report is not mine and report.error is None:
+                        report.error = error
+                raise
+            finally:
+                with self._lock:
+                    for report in batch:
+                        report.done = True
+                    self._sending = False
+                    self._lock.notify_all()
+        if mine.error is not None:
+            raise mine.error
+
+    def _send(self, batch: list[_Report]) -> None:
+        if len(batch) > 1 and self.forms.batched_completions:
+            try:
+                self._together(batch)
+                return
+            except ApiError as error:
+                if many_forms_refused(error):
+                    self.forms.single_completions(error)
+                elif error.status != 413:
+                    for report in batch:
+                        report.error = error
+                    return
+                # Refused by the older server, or too large together: alone.
+            except (GaveUp, Refused) as error:
+                for report in batch:
+                    report.error = error
+                return
+        for report in batch:
+            try:
+                self._alone(report)
+            except (ApiError, GaveUp) as error:
+                report.error = error
+
+    def _alone(self, report: _Report) -> None:
+        job = report.job
+        self.api.call(
+            f"/jobs/{job.id}/complete",
+            {"lease_token": job.lease_token, "result": report.result},
+            what=f"{job.tag} complete",
+            give_up=self.give_up,
+        )
+
+    def _together(self, batch: list[_Report]) -> None:
+        body = {
+            "results": [
+                {
+                    "job_id": report.job.id,
+                    "lease_token": report.job.lease_token,
+                    "result": report.result,
+                }
+                for report in batch
+            ]
+        }
+        _, payload = self.api.call(
+            "/complete",
+            body,
+            what=f"completion of {len(batch)} jobs",
+            give_up=self.give_up,
+        )
+        answers = (payload or {}).get("results")
+        by_job = {
+            answer.get("job_id"): answer
+            for answer in (answers if isinstance(answers, list) else [])
+            if isinstance(answer, dict)
+        }
+        for report in batch:
+            answer = by_job.get(report.job.id, {})
+            if answer.get("status") == "completed":
+                continue
+            error = answer.get("error")
+            if error == "lease_lost":
+                report.error = LeaseLost(409, "lease_lost", "not this worker's lease")
+            elif error == "not_found":
+                report.error = Rejected(404, "not_found", "no such job")
+            else:  # not answered: report it alone, as the single form would
+                try:
+                    self._alone(report)
+                except (ApiError, GaveUp) as failed:
+                    report.error = failed
+
+
 class Slot(threading.Thread):
     """One job at a time, forever: take a claimed job, run it while its lease
     is heartbeated, complete or fail it.
@@ -1775,11 +1919,15 @@ class Slot(threading.Thread):
         shutdown: Shutdown,
         claimer: Claimer,
         heartbeats: Heartbeats,
+        completions: Completions | None = None,
     ):
         super().__init__(name=f"slot-{number}")
         self.api, self.engine, self.settings = api, engine, settings
         self.shutdown = shutdown
         self.claimer, self.heartbeats = claimer, heartbeats
+        self.completions = completions or Completions(
+            api, ServerForms(), shutdown.grace_over
+        )
 
     def run(self) -> None:
         try:
@@ -1850,14 +1998,9 @@ class Slot(threading.Thread):
         return self.shutdown.grace_over()
 
     def complete(self, job: Job, result: dict, elapsed: float) -> None:
-        body = {"lease_token": job.lease_token, "result": result}
         try:
-            self.api.call(
-                f"/jobs/{job.id}/complete",
-                body,
-                what=f"{job.tag} complete",
-                give_up=self._finishing,
-            )
+            # Alone, or with other slots' results that end close to it.
+            self.completions.report(job, result)
         except LeaseLost as error:
             log.warning("%s result discarded: lease lost (%s)", job.tag, error.detail)
             return
@@ -2377,6 +2520,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     forms = ServerForms()
     heartbeats = Heartbeats(api, forms, shutdown)
+    completions = Completions(api, forms, shutdown.grace_over)
     claimer = Claimer(
         args.concurrency, api=api, settings=settings, shutdown=shutdown, forms=forms
     )
@@ -2389,6 +2533,7 @@ def main(argv: list[str] | None = None) -> int:
             shutdown=shutdown,
             claimer=claimer,
             heartbeats=heartbeats,
+            completions=completions,
         )
         for n in range(1, args.concurrency + 1)
     ]

@@ -1,6 +1,6 @@
 """Row 21 of ``make bench`` (``--only 21``, BENCHMARKS.md): HTTP claims of up to 8
-jobs at once (``max_jobs``) plus their completions, against the raw-SQL limit
-and the peers (issue 26).
+jobs at once (``max_jobs``) plus their completions in one batched completion
+(``POST /api/v1/complete``), against the raw-SQL limit and the peers (issue 26).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from bench.core import Bench
 
 
 def claim_many(bench: Bench) -> None:
-    """21: HTTP claims of several jobs at once plus their completions, against
-    the raw-SQL limit and the peers."""
+    """21: HTTP claims of several jobs at once plus their batched completion,
+    against the raw-SQL limit and the peers."""
     from bench.scenarios.peers import peer_rates
     from bench.scenarios.throughput import _throughput
 
@@ -34,9 +34,9 @@ def claim_many(bench: Bench) -> None:
     bench.add(
         "21",
         "HTTP claim of many",
-        f'claim with "max_jobs": {n}, then each completion: claim+complete/s, '
-        f"P={p}, {per_claim:.1f} jobs per claim (one job per claim, row 3's "
-        "loop, beside it; raw-SQL limit)",
+        f'claim with "max_jobs": {n}, then its jobs completed in one batched '
+        f"completion: claim+complete/s, P={p}, {per_claim:.1f} jobs per claim "
+        "(one job per claim, row 3's loop, beside it; raw-SQL limit)",
         f"{many:.0f}/s = {many / raw:.2f} x raw ({one:.0f}/s = {one / raw:.2f} x "
         f"raw; {raw:.0f}/s)",
     )

@@ -38,7 +38,6 @@ from django.db.models import QuerySet
 from batches.flags import parse_flag
 from batches.labels import Labels, clean_labels
 from batches.models import Batch
-from jobs.exceptions import TooManyLeases
 from jobs.models import Job, JobQuerySet, WebhookEndpoint, WebhookEvent, Worker
 
 from . import actions, purge, repairs, rules, webhook_writes, workers
@@ -68,6 +67,7 @@ __all__ = [
     "claim_webhook_deliveries",
     "close_stray_leases",
     "complete",
+    "complete_many",
     "create_batch",
     "create_webhook_endpoint",
     "create_worker",
@@ -210,21 +210,31 @@ def claim_many(
     now: datetime | None = None,
     max_leases: int | None = None,
 ) -> list[Job]:
-    """queued -> leased for up to ``max_jobs`` jobs: ``claim_next`` up to
-    ``max_jobs`` times in a row, stopping at the first that finds nothing or
-    at the worker's lease cap. The jobs leased, in claim order; [] when none.
+    """queued -> leased for up to ``max_jobs`` jobs: what ``claim_next`` up to
+    ``max_jobs`` times in a row would lease, stopping at the first that finds
+    nothing or at the worker's lease cap. The jobs leased, in claim order; []
+    when none.
 
-    One transaction per job, each exactly a single claim (one statement on
-    PostgreSQL in the common case): each lease is all-or-nothing on its own,
-    the jobs are shared out among batches exactly as that many single claims
+    The jobs are shared out among batches exactly as that many single claims
     in a row would share them (each is charged to its batch's fair share
-    before the next one chooses), and no lock (the worker's turn, a job's, a
-    counter shard's) is held from one job to the next, so other workers'
-    claims interleave freely. One transaction for them all would hold the
-    worker's row and the first job's counter shard locked while the others
-    are chosen, and on PostgreSQL cost a savepoint around every statement.
-    The chores (expired leases, an interrupted cancel) are done by the first
-    claim; those after it find none left (a probe of an empty index).
+    before the next one chooses), and each lease is all-or-nothing. How:
+
+    * The ORM backend (the reference) makes exactly those single claims, one
+      transaction each: no lock (the worker's turn, a job's, a counter
+      shard's) is held from one job to the next.
+    * On PostgreSQL, when single claims would take every job from one batch
+      (nothing to do first, the first open batch in claim order is uncapped
+      and no other open batch of its priority has work, so no claim is
+      charged to anyone's share), one statement (``CLAIM_MANY``) leases them
+      all: the chores probed once, the worker's turn taken once (its cap
+      checked against its live leases counted after the turn came, so no
+      number of simultaneous calls leases it past the cap), each counter
+      shard and the commit once for all. The trade-off: the statement holds
+      the worker's row, the jobs and those shards locked until it commits, a
+      moment longer than one single claim does, and it is one transaction for
+      the lot (all of them or none). Whatever it leaves (the batch ran out,
+      rows taken meanwhile or disagreeing, a rival batch, chores, a capped
+      batch) is taken by single claims after it, as the reference does.
 
     TooManyLeases (nothing written) only when the first claim finds the
     worker at its cap; after that, the cap just ends the run. The worker's
@@ -238,21 +248,11 @@ def claim_many(
         raise ValueError(f"max_jobs must be at least 1, not {max_jobs}")
     declared = _declare(worker, labels)
     limit = rules.max_leases() if max_leases is None else max_leases
-    chosen = backend()
-    jobs: list[Job] = []
-    while len(jobs) < max_jobs:
-        if jobs and worker.live_leases + len(jobs) >= limit:
-            break
-        try:
-            job = chosen.claim_next(worker, labels=declared, now=now, max_leases=limit)
-        except TooManyLeases:
-            if not jobs:
-                raise
-            break
-        if job is None:
-            break
+    jobs = backend().claim_many(
+        worker, labels=declared, max_jobs=max_jobs, now=now, max_leases=limit
+    )
+    for job in jobs:
         log_lease("claimed", job, worker_id=worker.pk)
-        jobs.append(job)
     return jobs
 
 
@@ -326,6 +326,57 @@ def complete(
     )
     if done is not None:
         log_lease("completed", done, worker_id=worker.pk)
+
+
+def complete_many(
+    completions: Sequence[tuple[int, str, dict[str, Any]]],
+    *,
+    worker: Worker,
+    now: datetime | None = None,
+) -> list[str]:
+    """leased -> completed for many jobs of one worker at once (a worker with
+    several GPUs reports several results in one call): ``completions`` are
+    (job id, lease token, result) triples, the job ids distinct. For each, in
+    order: ``rules.COMPLETED`` (completed now, or already with this token: a
+    replay, as ``complete`` accepts it), ``rules.LEASE_LOST`` (not this
+    worker's live lease under that token) or ``rules.NOT_FOUND`` (no such
+    job). Each is judged exactly as ``complete`` judges it alone, quality
+    flags included, and one that is not live never stops the others.
+
+    One transaction for them all on the ORM backend (jobs and items locked in
+    id order, counters and throughput minutes shifted once per shard, the
+    finish checks last, so a batch they finish gets its one
+    ``batch.finished`` event as after as many single completions). On
+    PostgreSQL one statement completes every clean one, and those it leaves
+    (not live, drifted rows, a batch in its tail) are decided by the ORM code
+    right after in a transaction of their own: each entry is all-or-nothing
+    and judged alone either way, and the common case costs one round trip."""
+    ids = [job_id for job_id, _, _ in completions]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a batched completion names each job at most once")
+    # An id no column can hold names no job (and must not reach the database).
+    asked = [entry for entry in completions if 0 < entry[0] <= _MAX_DB_ID]
+    answers = (
+        dict(
+            zip(
+                (job_id for job_id, _, _ in asked),
+                backend().complete_many(asked, worker=worker, now=now),
+                strict=True,
+            )
+        )
+        if asked
+        else {}
+    )
+    outcomes = []
+    for job_id in ids:
+        answer = answers.get(job_id, rules.NOT_FOUND)
+        if isinstance(answer, Job):
+            log_lease("completed", answer, worker_id=worker.pk)
+            answer = rules.COMPLETED
+        elif answer is None:
+            answer = rules.COMPLETED
+        outcomes.append(answer)
+    return outcomes
 
 
 def fail(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -139,13 +139,14 @@ def move_items(
     was: str,
     to: str,
     now: datetime,
-    flags: Sequence[str] | None = None,
+    flags: Sequence[str] | Mapping[int, Sequence[str]] | None = None,
 ) -> None:
     """Bring the items of ``jobs`` to the status that agrees with ``to``.
 
     ``was`` is the jobs' status before this transition; an item that did not
     agree with it had drifted: the repair is logged and the batch recounted.
-    Only done items have quality flags: ``flags`` when given (a completion's),
+    Only done items have quality flags: ``flags`` when given (a completion's;
+    a mapping of job id to flags: each job's own, a batched completion's),
     else those they had; an item that is not done has none.
     """
     expected, new = item_status_for(was), item_status_for(to)
@@ -164,7 +165,8 @@ def move_items(
         if new != ItemStatus.DONE:
             kept: tuple[str, ...] = ()
         else:
-            kept = had if flags is None else tuple(sorted(flags))
+            chosen = flags.get(job.pk) if isinstance(flags, Mapping) else flags
+            kept = had if chosen is None else tuple(sorted(chosen))
         moves.append(
             ItemMove(
                 item.pk,

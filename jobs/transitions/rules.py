@@ -31,6 +31,11 @@ LEASE_LOST = "lease_lost"
 NOT_FOUND = "not_found"
 # The most leases one batched heartbeat renews (the worker API's limit).
 MAX_HEARTBEAT_LEASES = 64
+# A completion of a batched completion (``complete_many``) that was made: now,
+# or before with the same token (a replay), as the single completion answers.
+COMPLETED = "completed"
+# The most completions one batched completion makes (the worker API's limit).
+MAX_COMPLETIONS = 64
 
 # How many open batches one claim looks at before it reports "nothing claimable".
 CLAIM_BATCH_CANDIDATES = 50

@@ -235,6 +235,36 @@ def _complete(
     )
 
 
+# What the results of a batched completion say, by position: flagged every way.
+MANY_RESULTS = (("t", None), ("", "en"), ("a b c", "de"), (" ".join(["w"] * 30), "DE"))
+
+
+def _complete_many(
+    world: World, ks: list[int], stranger: int | None = None, unknown: bool = False
+) -> Any:
+    """One batched completion of the k-th leases (the first of each job: ids
+    are distinct), as their holder or as ``stranger``, with a job that does
+    not exist at the end if ``unknown``; the n-th result ``MANY_RESULTS[n % 4]``."""
+    entries: dict[int, tuple[str, dict[str, Any]]] = {}
+    worker = world.workers[0] if stranger is None else world.workers[stranger]
+    for n, k in enumerate(ks):
+        job_id, holder, token = _lease(world, k)
+        text, language = MANY_RESULTS[n % len(MANY_RESULTS)]
+        result: dict[str, Any] = {"text": text}
+        if language is not None:
+            result["language"] = language
+        entries.setdefault(job_id, (token, result))
+        if stranger is None:
+            worker = holder  # one worker's call: the last named lease's holder
+    if unknown:
+        entries[10_000] = ("no-such-job", {"text": "t"})
+    return transitions.complete_many(
+        [(job_id, token, result) for job_id, (token, result) in entries.items()],
+        worker=worker,
+        now=world.now,
+    )
+
+
 def _fail(world: World, k: int, retryable: bool) -> Any:
     job_id, worker, token = _lease(world, k)
     return transitions.fail(
@@ -444,6 +474,7 @@ _APPLY = {
     "heartbeat": _heartbeat,
     "heartbeat_many": _heartbeat_many,
     "complete": _complete,
+    "complete_many": _complete_many,
     "fail": _fail,
     "release": _release,
     "tick": _tick,

@@ -79,9 +79,14 @@ def _steer(case, world) -> None:
     token = body.get("lease_token") if isinstance(body, dict) else None
     if isinstance(token, str) and tokens and len(token) % 2 == 0:
         body["lease_token"] = tokens[len(token) % len(tokens)]
-    # A batched heartbeat's leases: most of them real jobs, some with real tokens.
+    # A batched heartbeat's leases and a batched completion's results: most of
+    # them real jobs, some with real tokens.
     leases = body.get("leases") if isinstance(body, dict) else None
-    for lease in leases if isinstance(leases, list) else []:
+    results = body.get("results") if isinstance(body, dict) else None
+    for lease in [
+        *(leases if isinstance(leases, list) else []),
+        *(results if isinstance(results, list) else []),
+    ]:
         if not isinstance(lease, dict):
             continue
         job_id, token = lease.get("job_id"), lease.get("lease_token")

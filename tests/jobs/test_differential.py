@@ -77,6 +77,33 @@ CASES = {
         ("release", 4),
         ("heartbeat_many", [4, 0]),
     ],
+    "batched completion: completed, replayed, lost, unknown, flagged, finished": [
+        ("claim_many", 0, 3),  # b1 (priority 5, alone): one statement
+        ("claim", 1),
+        ("complete_many", [0, 1], None, True),
+        ("complete_many", [1, 0], None, True),  # replays: completed, unchanged
+        ("complete_many", [2, 3]),  # 3's holder's call: 2 is another's lease
+        ("complete_many", [2], 1),  # a stranger completes nothing
+        ("complete_many", [2]),  # its holder does: b1's last, its tail
+        ("claim_many", 2, 32),  # b0 and b2 share out (rivals): single claims
+        ("tick", 61),
+        ("complete_many", [4, 5]),  # expired, not reclaimed: still live
+        ("reclaim",),
+        ("claim_many", 0, 2),  # the chores first: single claims
+        ("complete_many", [6, 7, 8, 9, 10, 11, 12, 13]),  # the batches' tails
+        ("complete_many", [], None, True),
+    ],
+    "claims of many: one statement, the cap, drifted and stray rows": [
+        ("drift_item", 5, "transcribing"),  # b1's second job's item drifted
+        ("stray_lease", 6, 2),  # and its third has an open ledger row
+        ("cap", 2),
+        ("claim_many", 0, 3),  # the cap leaves room for two
+        ("claim_many", 0, 3),  # at the cap: refused
+        ("cap", 32),
+        ("claim_many", 1, 32),  # what is left, healed, then b0 and b2
+        ("pause", 0),
+        ("claim_many", 2, 4),
+    ],
     "retryable failure backs off, then the last attempt fails for good": [
         ("claim", 0),
         ("fail", 0, True),
@@ -405,6 +432,14 @@ class BackendsAgree(RuleBasedStateMachine):
     )
     def complete(self, k, text, language):
         self._do("complete", k, text, language)
+
+    @rule(
+        ks=st.lists(st.integers(0, 50), max_size=5),
+        stranger=st.none() | st.integers(0, 2),
+        unknown=st.booleans(),
+    )
+    def complete_many(self, ks, stranger, unknown):
+        self._do("complete_many", ks, stranger, unknown)
 
     @rule(k=st.integers(0, 50), retryable=st.booleans())
     def fail(self, k, retryable):

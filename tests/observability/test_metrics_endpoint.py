@@ -84,6 +84,8 @@ def test_worker_api_requests_and_claim_times_are_counted(token, api, batch):
     assert api.heartbeat_many([(job["id"], job["lease_token"])]).status_code == 200
     assert api.post("/api/v1/heartbeat", {"leases": []}).status_code == 400
     assert api.complete(job["id"], job["lease_token"]).status_code == 200
+    replayed = api.complete_many([(job["id"], job["lease_token"], {"text": "x"})])
+    assert replayed.status_code == 200
     assert api.heartbeat(job["id"], job["lease_token"]).status_code == 409
     assert api.post("/api/v1/claim", raw=b"[1]").status_code == 400
     assert api.post("/api/v1/claim", {}, token="not-a-worker-token").status_code == 401
@@ -104,6 +106,7 @@ def test_worker_api_requests_and_claim_times_are_counted(token, api, batch):
         ("heartbeat_many", "200"): 1,
         ("heartbeat_many", "400"): 1,
         ("complete", "200"): 1,
+        ("complete_many", "200"): 1,
         ("heartbeat", "409"): 1,
         ("claim", "400"): 1,
         ("claim", "401"): 1,

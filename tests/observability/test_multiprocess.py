@@ -125,6 +125,7 @@ def test_request_counts_are_exported_before_the_first_request(tmp_path):
         ("heartbeat", "200"): 0,
         ("heartbeat_many", "200"): 0,
         ("complete", "200"): 0,
+        ("complete_many", "200"): 0,
         ("fail", "200"): 0,
         ("release", "200"): 0,
     }

@@ -159,6 +159,17 @@ class WorkerClient:
             f"/api/v1/jobs/{job_id}/complete", {"lease_token": token, "result": result}
         )
 
+    def complete_many(self, results: list[tuple[int, str, dict]]):
+        """One batched completion of (job id, lease token, result) triples."""
+        return self.post(
+            "/api/v1/complete",
+            {
+                "results": [
+                    {"job_id": j, "lease_token": t, "result": r} for j, t, r in results
+                ]
+            },
+        )
+
     def fail(
         self, job_id: int, token: str, error: str = "boom", retryable: bool = True
     ):

@@ -45,6 +45,9 @@ class FakeServer:
         self.lease_seconds = 60
         self.requests: list[tuple[str, dict]] = []
         self.completed: list[int] = []
+        self.complete_delay = 0.0  # each completion's answer comes this late
+        self.lost_on_complete: set[int] = set()  # lost only when completed
+        self.old_complete_status = 404  # an older server's answer to /complete
         self.lock = threading.Lock()
 
     def job(self, job_id: int) -> dict:
@@ -94,11 +97,29 @@ class FakeServer:
                         for lease in body["leases"]
                     ]
                 }
+            if path == "/api/v1/complete":
+                if not self.many:
+                    status = self.old_complete_status
+                    return status, {"error": "not_found", "detail": "No endpoint."}
+                answers = []
+                for entry in body["results"]:
+                    if entry["job_id"] in self.lost | self.lost_on_complete:
+                        answers.append(
+                            {"job_id": entry["job_id"], "error": "lease_lost"}
+                        )
+                    else:
+                        self.completed.append(entry["job_id"])
+                        answers.append(
+                            {"job_id": entry["job_id"], "status": "completed"}
+                        )
+                return 200, {"results": answers}
             if match := re.fullmatch(r"/api/v1/jobs/(\d+)/(\w+)", path):
                 job_id, action = int(match[1]), match[2]
                 if action == "heartbeat" and job_id in self.lost:
                     return 409, {"error": "lease_lost", "detail": "Not yours."}
                 if action == "complete":
+                    if job_id in self.lost | self.lost_on_complete:
+                        return 409, {"error": "lease_lost", "detail": "Not yours."}
                     self.completed.append(job_id)
                     return 200, {"status": "completed"}
                 return 200, {"lease_expires_at": "2026-01-01T12:01:00+00:00"}
@@ -120,6 +141,9 @@ class FakeServer:
 class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        fake = self.server.fake  # type: ignore[attr-defined]
+        if "complete" in self.path and fake.complete_delay:
+            time.sleep(fake.complete_delay)  # a slow answer: others end meanwhile
         status, body = self.server.fake.answer(self.path, json.loads(raw or b"{}"))  # type: ignore[attr-defined]
         data = b"" if body is None else json.dumps(body).encode()
         self.send_response(status)
@@ -270,6 +294,66 @@ def test_against_an_older_server_it_falls_back_to_the_single_forms(serve, strict
     assert len(fake.calls("/api/v1/heartbeat")) == 1  # 404 once, remembered
     assert len(fake.single_heartbeats()) >= 3
     assert sorted(fake.completed) == [1, 2, 3]
+
+
+def test_results_that_end_together_go_in_one_batched_completion(serve):
+    """Four jobs end together while the first result's answer is slow: the
+    first is reported alone (at once), the three that ended meanwhile in one
+    batched completion; each job is completed once."""
+    fake = FakeServer(4, many=True)
+    fake.complete_delay = 0.5
+    proc = serve(fake, "--concurrency=4")
+
+    until(lambda: len(fake.completed) == 4, proc, "the 4 jobs completed")
+
+    batched = fake.calls("/api/v1/complete")
+    singles = [p for p, _ in fake.requests if p.endswith("/complete") and "/jobs/" in p]
+    assert [len(call["results"]) for call in batched] == [3], batched
+    assert len(singles) == 1
+    entries = batched[0]["results"]
+    assert all(set(e) == {"job_id", "lease_token", "result"} for e in entries)
+    assert all(e["lease_token"] == f"lease-{e['job_id']}-" + "x" * 20 for e in entries)
+    assert all(isinstance(e["result"]["text"], str) for e in entries)
+    assert sorted(fake.completed) == [1, 2, 3, 4]
+    log = Path(proc.log_path).read_text()
+    assert len(re.findall(r"attempt=1/3 completed in", log)) == 4
+
+
+def test_a_result_answered_lost_in_a_batch_is_discarded_alone(serve):
+    fake = FakeServer(4, many=True)
+    fake.complete_delay = 0.5
+    fake.lost_on_complete = {3}
+    proc = serve(fake, "--concurrency=4")
+
+    until(lambda: len(fake.completed) == 3, proc, "the 3 live jobs completed")
+    until(
+        lambda: (
+            "job=3 attempt=1/3 result discarded: lease lost"
+            in Path(proc.log_path).read_text()
+        ),
+        proc,
+        "job 3's result discarded",
+    )
+
+    assert sorted(fake.completed) == [1, 2, 4]
+    assert fake.calls("/api/v1/complete")  # (3 was in a batch, or alone)
+
+
+@pytest.mark.parametrize("status", [404, 400])
+def test_against_an_older_server_it_completes_each_job_alone(serve, status):
+    """An older server answers 404 (no such path) or 400 to the batched
+    completion: the results of that batch are reported one by one, and the
+    worker does not ask again."""
+    fake = FakeServer(4, many=False)
+    fake.complete_delay, fake.old_complete_status = 0.3, status
+    proc = serve(fake, "--concurrency=4")
+
+    until(lambda: len(fake.completed) == 4, proc, "the 4 jobs completed")
+
+    assert len(fake.calls("/api/v1/complete")) == 1  # refused once, remembered
+    assert sorted(fake.completed) == [1, 2, 3, 4]
+    log = Path(proc.log_path).read_text()
+    assert "completing each job on its own from now on" in log
 
 
 def test_labels_from_the_environment(serve):

@@ -63,6 +63,16 @@ class TransitionBackend(Protocol):
         max_leases: int,
     ) -> Job | None: ...
 
+    def claim_many(
+        self,
+        worker: Worker,
+        *,
+        labels: Labels,
+        max_jobs: int,
+        now: datetime | None,
+        max_leases: int,
+    ) -> list[Job]: ...
+
     def heartbeat(
         self, job_id: int, lease_token: str, *, worker: Worker, now: datetime | None
     ) -> datetime: ...
@@ -84,6 +94,14 @@ class TransitionBackend(Protocol):
         result: dict[str, Any],
         now: datetime | None,
     ) -> Job | None: ...
+
+    def complete_many(
+        self,
+        completions: Sequence[tuple[int, str, dict[str, Any]]],
+        *,
+        worker: Worker,
+        now: datetime | None,
+    ) -> list[Job | str | None]: ...
 
     def fail(
         self,

@@ -47,9 +47,11 @@ from ..outbox import finishing
 from ..rows import (
     add_tally,
     charge_share,
+    close_leases,
     group_by,
     log_lease,
     lost_detail,
+    move_items,
     move_jobs,
     open_lease,
     rejoin_share,
@@ -222,6 +224,61 @@ class OrmBackend:
             if job is not None:
                 return job
         return None
+
+    def claim_many(
+        self,
+        worker: Worker,
+        *,
+        labels: Labels,
+        max_jobs: int,
+        now: datetime | None,
+        max_leases: int,
+    ) -> list[Job]:
+        """Up to ``max_jobs`` jobs for ``worker``: ``claim_next`` that many
+        times in a row, stopping at the first that finds nothing or at the
+        lease cap (see ``transitions.claim_many``). The reference: each job is
+        exactly a single claim, in a transaction of its own."""
+        return self._claim_more(
+            [],
+            worker,
+            labels=labels,
+            max_jobs=max_jobs,
+            now=now,
+            max_leases=max_leases,
+            held=worker.live_leases,
+        )
+
+    def _claim_more(
+        self,
+        jobs: list[Job],
+        worker: Worker,
+        *,
+        labels: Labels,
+        max_jobs: int,
+        now: datetime | None,
+        max_leases: int,
+        held: int,
+    ) -> list[Job]:
+        """``jobs`` and single claims after them, up to ``max_jobs`` in all.
+        TooManyLeases only when ``jobs`` is empty; after a job, the cap just
+        ends the run. ``held``, the worker's live leases before ``jobs`` as
+        last counted, saves the claim that would be refused (each claim's
+        turn still counts for itself: a stale count never lets it over)."""
+        while len(jobs) < max_jobs:
+            if jobs and held + len(jobs) >= max_leases:
+                break
+            try:
+                job = self.claim_next(
+                    worker, labels=labels, now=now, max_leases=max_leases
+                )
+            except TooManyLeases:
+                if not jobs:
+                    raise
+                break
+            if job is None:
+                break
+            jobs.append(job)
+        return jobs
 
     def _claim_plan(
         self, now: datetime, labels: Labels
@@ -459,6 +516,100 @@ class OrmBackend:
                 ),
             )
         return job
+
+    def complete_many(
+        self,
+        completions: Sequence[tuple[int, str, dict[str, Any]]],
+        *,
+        worker: Worker,
+        now: datetime | None,
+    ) -> list[Job | str | None]:
+        """Many completions of one worker in one transaction (a batched
+        completion): ``completions`` are (job id, lease token, result), the
+        job ids distinct. For each, in order: the completed job; None for a
+        replay (already completed with this token by this worker: the single
+        completion's success that changes nothing); or why not, ``LEASE_LOST``
+        or ``NOT_FOUND``. Each is judged exactly as ``complete`` judges it
+        alone, and one that is not live never stops the others.
+
+        The worker's live leases among them are locked with their items in id
+        order (as every transition that locks many jobs takes them), the
+        counters and throughput minutes shift once per (batch, shard) in that
+        order, and the finish checks of the batches they may finish run last
+        (``finishing``): a batch finished by them gets its one
+        ``batch.finished`` event exactly as the last of as many single
+        completions would write it."""
+        now = self._resolve(now)
+        asked = {job_id: (token, result) for job_id, token, result in completions}
+        with finishing(now):
+            held = (
+                Job.objects.filter(
+                    pk__in=asked, status=JobStatus.LEASED, leased_by=worker
+                )
+                .locked()
+                .order_by("pk")
+            )
+            live = [job for job in held if job.lease_token == asked[job.pk][0]]
+            if live:
+                close_leases(live, reason=LeaseEnd.COMPLETED, now=now)
+                flags: dict[int, tuple[str, ...]] = {}
+                for job in live:
+                    result = asked[job.pk][1]
+                    values: dict[str, Any] = {
+                        "status": JobStatus.COMPLETED,
+                        "result": result,
+                        "lease_token": None,
+                        "leased_by": None,
+                        "lease_expires_at": None,
+                        "finished_at": now,
+                        "updated_at": now,
+                    }
+                    Job.objects.filter(pk=job.pk).update(**values)
+                    for name, value in values.items():
+                        setattr(job, name, value)
+                    params = job.item.params
+                    flags[job.pk] = flags_for(
+                        result,
+                        duration_ms=job.item.duration_ms,
+                        language=params.get("language")
+                        if isinstance(params, dict)
+                        else None,
+                    )
+                move_items(
+                    live,
+                    was=JobStatus.LEASED,
+                    to=JobStatus.COMPLETED,
+                    now=now,
+                    flags=flags,
+                )
+            done = {job.pk: job for job in live}
+            rest = [job_id for job_id in asked if job_id not in done]
+            replays = (
+                {
+                    job_id
+                    for job_id, token in Lease.objects.filter(
+                        job_id__in=rest, worker=worker, end_reason=LeaseEnd.COMPLETED
+                    ).values_list("job_id", "token")
+                    if token == asked[job_id][0]
+                }
+                if rest
+                else set()
+            )
+            unreplayed = [job_id for job_id in rest if job_id not in replays]
+            exist = (
+                set(Job.objects.filter(pk__in=unreplayed).values_list("pk", flat=True))
+                if unreplayed
+                else set()
+            )
+        answers: list[Job | str | None] = []
+        for job_id, _, _ in completions:
+            if job_id in done:
+                answers.append(done[job_id])
+            elif job_id in replays:
+                answers.append(None)
+            else:
+                answers.append(LEASE_LOST if job_id in exist else NOT_FOUND)
+        return answers
 
     def fail(
         self,

@@ -193,6 +193,66 @@ class PostgresBackend(OrmBackend):
         # The long way: the ORM backend's, through the hooks below.
         return super().claim_next(worker, labels=labels, now=now, max_leases=max_leases)
 
+    def claim_many(
+        self,
+        worker: Worker,
+        *,
+        labels: Labels,
+        max_jobs: int,
+        now: datetime | None,
+        max_leases: int,
+    ) -> list[Job]:
+        # One statement for all of them when that takes exactly what single
+        # claims in a row would (CLAIM_MANY: no chores, the first batch
+        # uncapped and without a rival), with one commit, one turn and one
+        # counter shift per shard; the rest (the batch ran out, rows that
+        # disagree or were taken) by single claims after it, as the ORM
+        # backend makes them all.
+        held = worker.live_leases
+        if max_jobs > 1:
+            tokens = [new_lease_token() for _ in range(max_jobs)]
+            params = self._claim_params(worker, labels, "", now, max_leases)
+            params.update(n=max_jobs, tokens=tokens, cancel_grace=CANCEL_GRACE)
+            try:
+                rows = self._fetchall(statements.CLAIM_MANY, params)
+            except IntegrityError:  # a ledger row raced in: nothing was written
+                rows = []
+            if rows:
+                expired, cancelling, first, capped, rival, at, turn = rows[0][:7]
+                if turn is not None:
+                    self._check_turn(worker, turn, max_leases)
+                    held = turn
+                if not (expired or cancelling or first):
+                    return []  # nothing claimable: an idle claim, one statement
+                now = at  # the single claims after it use its instant
+                if not (expired or cancelling or capped or rival):
+                    jobs = []
+                    for *picked, token in (row[7:] for row in rows):
+                        if picked[0] is None or token is None:
+                            continue  # none picked, or its rows disagree
+                        job, _ = self._leased(picked, worker, token)
+                        jobs.append(job)
+                    if len(jobs) == max_jobs or held + len(jobs) >= max_leases:
+                        return jobs
+                    return self._claim_more(
+                        jobs,
+                        worker,
+                        labels=labels,
+                        max_jobs=max_jobs,
+                        now=now,
+                        max_leases=max_leases,
+                        held=held,
+                    )
+        return self._claim_more(
+            [],
+            worker,
+            labels=labels,
+            max_jobs=max_jobs,
+            now=now,
+            max_leases=max_leases,
+            held=held,
+        )
+
     def _claim_plan(
         self, now: datetime, labels: Labels
     ) -> tuple[bool, bool, Iterable[Candidate]]:
@@ -407,6 +467,68 @@ class PostgresBackend(OrmBackend):
         return super().complete(
             job_id, lease_token, worker=worker, result=result, now=now
         )
+
+    def complete_many(
+        self,
+        completions: Sequence[tuple[int, str, dict[str, Any]]],
+        *,
+        worker: Worker,
+        now: datetime | None,
+    ) -> list[Job | str | None]:
+        # One statement for every clean completion (COMPLETE_MANY); the others
+        # (not live: a replay, a stale token, no such job; rows that disagree;
+        # a batch in its tail) are decided by the ORM code afterwards, in a
+        # transaction of its own, exactly as the single completion leaves
+        # them to it. The statement commits by itself first: each entry is
+        # judged alone either way, and the common case (all clean) costs no
+        # BEGIN, COMMIT or savepoint round trips.
+        rows = self._fetchall(
+            statements.COMPLETE_MANY,
+            {
+                "jobs": [job_id for job_id, _, _ in completions],
+                "tokens": [token for _, token, _ in completions],
+                "results": [json.dumps(result) for _, _, result in completions],
+                "words": [words(result.get("text")) for _, _, result in completions],
+                "heard": [
+                    language_name(result.get("language"))
+                    for _, _, result in completions
+                ],
+                "worker": worker.pk,
+                "now": now,
+                "per_minute": settings.RECALL_MIN_WORDS_PER_MINUTE,
+            },
+        )
+        answers: list[Job | str | None] = []
+        rest: list[int] = []
+        for n, ((job_id, _, result), row) in enumerate(
+            zip(completions, rows, strict=True)
+        ):
+            _, _, _, batch_id, attempts, at, _, written = row
+            if written:
+                answers.append(
+                    self._partial(
+                        Job,
+                        id=job_id,
+                        batch_id=batch_id,
+                        attempts=attempts,
+                        status=JobStatus.COMPLETED,
+                        result=result,
+                        finished_at=at,
+                        updated_at=at,
+                    )
+                )
+                continue
+            answers.append(None)
+            rest.append(n)
+            if at is not None:
+                now = at  # the long way uses the statement's instant
+        if rest:
+            decided = super().complete_many(
+                [completions[n] for n in rest], worker=worker, now=now
+            )
+            for n, answer in zip(rest, decided, strict=True):
+                answers[n] = answer
+        return answers
 
     # --- Reclaim ----------------------------------------------------------------
 

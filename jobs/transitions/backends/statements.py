@@ -118,12 +118,15 @@ OPEN_BATCH = sql(
 )
 
 
-def shift_and_record(moves: str) -> str:
+def shift_and_record(moves: str, *, flags: bool = False) -> str:
     """CTEs that apply the item moves in CTE ``moves`` (batch_id, item_id, old,
     new, ms) to the counter shards and count the finishes (done or failed) in
     the minute's throughput bucket: ``rows.shift_counters`` and
     ``rows.record_finished`` as SQL, for any number of moves between any
-    statuses (a chunk of reclaimed leases).
+    statuses (a chunk of reclaimed leases, a batched completion). With
+    ``flags``, the moves also carry ``old_flag_<name>`` and ``new_flag_<name>``
+    (booleans: completions' quality flags) and the flag counters shift by
+    them, as ``shift_one(..., flags=True)`` does for one move.
 
     The moves are summed per shard, and the shards are locked in (batch, shard)
     order, as every transition orders them. The minute rows come after the
@@ -146,6 +149,15 @@ def shift_and_record(moves: str) -> str:
         (column, column.removesuffix("_ms"), column.endswith("_ms"))
         for column in COUNTER_COLUMNS
     ]
+    deltas = [
+        f"sum({change(status, ms)}) AS d_{column}" for column, status, ms in columns
+    ]
+    updated = [column for column, _, _ in columns]
+    if flags:
+        deltas += [
+            f"sum(new_{c}::int - old_{c}::int) AS d_{c}" for c in FLAG_COLUMNS.values()
+        ]
+        updated += list(FLAG_COLUMNS.values())
     finished = [("f_done", "done", False), ("f_done_ms", "done", True)]
     finished += [("f_failed", "failed", False), ("f_failed_ms", "failed", True)]
     counted = sql(
@@ -165,9 +177,7 @@ def shift_and_record(moves: str) -> str:
         RETURNING locked.batch_id, locked.shard, locked.f_done, locked.f_done_ms,
             locked.f_failed, locked.f_failed_ms
     )""",
-        deltas=", ".join(
-            f"sum({change(status, ms)}) AS d_{column}" for column, status, ms in columns
-        ),
+        deltas=", ".join(deltas),
         finished=", ".join(
             f"sum({finishes(status, ms)}) AS {name}" for name, status, ms in finished
         ),
@@ -175,7 +185,7 @@ def shift_and_record(moves: str) -> str:
         updates=", ".join(
             f"{getattr(counter, column)} = c.{getattr(counter, column)} "
             f"+ locked.d_{column}"
-            for column, _, _ in columns
+            for column in updated
         ),
     )
     return counted + sql(
@@ -363,7 +373,17 @@ CHARGE = sql(
 )
 
 
-def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
+def _claim(
+    *,
+    prelude: str,
+    batch_id: str,
+    charge: str,
+    result: str,
+    limit: str = "1",
+    numbered: str = "",
+    token: str = "%(token)s",
+    shift: str | None = None,
+) -> str:
     """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
     LOCKED), if the worker's labels serve the batch (``SERVES``: checked again
     here, as its requirements may have changed since it was chosen), its item
@@ -375,7 +395,14 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
     count read in this statement's own snapshot would be stale by the time the
     turn came). Returns the job's
     and item's columns as they were, the batch's name, whether such a stray
-    ledger row exists, and the lease's times."""
+    ledger row exists, and the lease's times.
+
+    Up to ``limit`` jobs (an SQL expression; 1 by default) for a claim of
+    many (``CLAIM_MANY``): ``numbered`` then adds a column to ``clean`` (each
+    job's number in claim order), ``token`` is the lease token each job gets
+    (an SQL expression over ``clean``), and ``shift`` the counter shift (one
+    that sums the moves per shard: ``shift_and_record``)."""
+    single = token == "%(token)s"
     return sql(
         """WITH {prelude} pick AS (
         SELECT {job_columns}, {item_columns}, b.{batch.name} AS batch_name,
@@ -390,18 +417,19 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
           AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
           AND {serves} AND {job_serves}
           AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
-        ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
+        ORDER BY j.{job.created_at}, j.{job.id} LIMIT {limit}
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
     ), clean AS (
-        SELECT * FROM pick
+        SELECT *{numbered} FROM pick
         WHERE i_{item.status} = {item_for[queued]} AND NOT stray_lease
     ), job AS (
         UPDATE {job} SET {job.status} = {job_status[leased]},
-            {job.lease_token} = %(token)s, {job.leased_by} = %(worker)s,
+            {job.lease_token} = {token}, {job.leased_by} = %(worker)s,
             {job.lease_expires_at} = clean.expires, {job.heartbeat_at} = clean.at,
             {job.attempts} = clean.j_{job.attempts} + 1, {job.updated_at} = clean.at
         FROM clean WHERE {job}.{job.id} = clean.j_{job.id}
-        RETURNING {job}.{job.id}, {job}.{job.attempts}, clean.at, clean.expires
+        RETURNING {job}.{job.id}, {job}.{job.attempts},
+            clean.at, clean.expires{returned}
     ), item AS (
         UPDATE {item} SET {item.status} = {item_for[leased]},
             {item.updated_at} = clean.at
@@ -415,7 +443,8 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         INSERT INTO {lease} ({lease.job}, {lease.worker}, {lease.token},
             {lease.attempt}, {lease.claimed_at}, {lease.heartbeat_at},
             {lease.expires_at}, {lease.error})
-        SELECT id, %(worker)s, %(token)s, attempts, at, at, expires, '' FROM job
+        SELECT id, %(worker)s, {opened_token}, attempts, at, at, expires, ''
+        FROM job{opened_order}
     ), charged AS (
         {charge_share} FROM clean
         WHERE {batch}.{batch.id} = clean.j_{job.batch} AND {charge}
@@ -432,8 +461,20 @@ def _claim(*, prelude: str, batch_id: str, charge: str, result: str) -> str:
         job_serves=JOB_SERVES,
         shift=shift_one(
             "moves", (ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED])
-        ),
+        )
+        if shift is None
+        else shift,
         result=result,
+        limit=limit,
+        numbered=numbered,
+        token=token,
+        # One token (a single claim): the ledger row takes it as given. Many:
+        # each job's, as written, and the rows opened in claim order.
+        returned=""
+        if single
+        else sql(",\n            {job}.{job.lease_token} AS token"),
+        opened_token="%(token)s" if single else "token",
+        opened_order="" if single else "\n        ORDER BY id",
     )
 
 
@@ -480,6 +521,59 @@ CLAIM_FIRST = _claim(
     result=sql(
         "SELECT chores.*, (SELECT id FROM first), {now} AS at, "
         "(SELECT held FROM turn), pick.* FROM chores LEFT JOIN pick ON true"
+    ),
+)
+
+# Many jobs in one statement (a claim of ``%(n)s`` jobs, ``max_jobs``), when that
+# is exactly what as many single claims in a row would take: nothing to do
+# first, and the first open batch in claim order is uncapped and has no rival
+# of its priority (no fair share to charge: a run of single claims takes
+# every job from it while it has any). Then the oldest claimable jobs of that
+# batch, as many as asked and as the worker's lease cap leaves room for
+# after its turn (SKIP LOCKED), are leased at once, each with its own token
+# (``%(tokens)s``, in claim order), the counter shards shifted once each in
+# (batch, shard) order, the ledger rows opened in claim order. Returns the
+# chores' flags, the first batch, whether it is capped, whether it has a
+# rival, the statement's instant and the worker's live leases as its turn
+# counted them (NULL when not taken), then one row per job picked, as CLAIM
+# does, with the token it was leased under (NULL: its rows disagree, it was
+# left as it was); one row of NULLs for the job when none was picked. When
+# the statement cannot take the jobs (chores, a capped first batch, a
+# rival) it writes nothing and the caller claims one job at a time.
+CLAIM_MANY = _claim(
+    prelude=f"""chores AS (
+        SELECT {CHORES}
+    ), top AS (
+        {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
+        LIMIT 2
+    ), first AS (
+        SELECT * FROM top ORDER BY priority DESC, virtual_time, id LIMIT 1
+    ), rival AS (
+        SELECT EXISTS (
+            SELECT 1 FROM top, first
+            WHERE top.id <> first.id AND top.priority = first.priority
+        ) AS found
+    ), chosen AS (
+        SELECT id FROM first WHERE NOT capped AND NOT (SELECT found FROM rival)
+    ), turn AS (
+        SELECT {TURN} AS held FROM chosen
+    ),""",
+    batch_id="(SELECT id FROM chosen)",
+    charge="false",
+    limit=(
+        "LEAST(%(n)s::bigint, GREATEST(%(cap)s::bigint - (SELECT held FROM turn), 0))"
+    ),
+    numbered=sql(", row_number() OVER (ORDER BY j_{job.created_at}, j_{job.id}) AS n"),
+    token="(%(tokens)s::text[])[clean.n]",
+    shift=shift_and_record("moves"),
+    result=sql(
+        """SELECT chores.*, (SELECT id FROM first), (SELECT capped FROM first),
+        (SELECT found FROM rival), {now} AS at, (SELECT held FROM turn), pick.*,
+        job.token
+    FROM chores
+    LEFT JOIN pick ON true
+    LEFT JOIN job ON job.{job.id} = pick.j_{job.id}
+    ORDER BY pick.j_{job.created_at}, pick.j_{job.id}"""
     ),
 )
 
@@ -542,6 +636,40 @@ HEARTBEAT_MANY = sql(
 
 # --- Complete --------------------------------------------------------------------
 
+
+def _new_flags(*, words: str, heard: str) -> str:
+    """A completion's quality flags (``batches.flags.flags_for``) as columns
+    ``new_flag_<name>``, decided from the item (alias i) the statement locks
+    and ``words``, ``heard`` (SQL expressions: the result's word count and
+    ``language_name``) and %(per_minute)s."""
+    return sql(
+        """{words} = 0 AS new_flag_empty,
+        COALESCE(i.{item.duration_ms} >= {short_min_ms}
+            AND {words} * 60000
+                < %(per_minute)s::bigint * i.{item.duration_ms},
+            false) AS new_flag_short,
+        COALESCE({heard} IS NOT NULL
+            AND jsonb_typeof(i.{item.params} -> 'language') = 'string'
+            AND lower(btrim(i.{item.params} ->> 'language', {spaces}))
+                NOT IN ('', {heard}),
+            false) AS new_flag_language_mismatch""",
+        words=words,
+        heard=heard,
+        short_min_ms=SHORT_MIN_MS,
+        spaces="E'" + "".join(f"\\x{ord(c):02x}" for c in SPACES) + "'",
+    )
+
+
+# The item's (alias i) flags before the completion, as ``old_flag_<name>``.
+_OLD_FLAGS = ", ".join(
+    f"i.{getattr(NAMES['item'], c)} AS old_{c}" for c in FLAG_COLUMNS.values()
+)
+# The item's flag columns set from CTE ``clean``'s new ones.
+_SET_FLAGS = ", ".join(
+    f"{getattr(NAMES['item'], c)} = clean.new_{c}" for c in FLAG_COLUMNS.values()
+)
+_MOVED_FLAGS = ", ".join(f"old_{c}, new_{c}" for c in FLAG_COLUMNS.values())
+
 # leased -> completed under this lease, if the item and the ledger row agree
 # and the batch is not in its tail. Returns the item's status and the open
 # ledger row found (no row at all: the lease is not live), with what the caller
@@ -602,27 +730,86 @@ COMPLETE = sql(
     # completion stays one statement (the differential test holds both to the
     # same answers). The item's old flags come off the counters (an item that
     # is not done has none, but a drifted one may).
-    old_flags=", ".join(
-        f"i.{getattr(NAMES['item'], c)} AS old_{c}" for c in FLAG_COLUMNS.values()
-    ),
-    new_flags=sql(
-        """%(words)s::bigint = 0 AS new_flag_empty,
-        COALESCE(i.{item.duration_ms} >= {short_min_ms}
-            AND %(words)s::bigint * 60000
-                < %(per_minute)s::bigint * i.{item.duration_ms},
-            false) AS new_flag_short,
-        COALESCE(%(heard)s::text IS NOT NULL
-            AND jsonb_typeof(i.{item.params} -> 'language') = 'string'
-            AND lower(btrim(i.{item.params} ->> 'language', {spaces}))
-                NOT IN ('', %(heard)s::text),
-            false) AS new_flag_language_mismatch""",
-        short_min_ms=SHORT_MIN_MS,
-        spaces="E'" + "".join(f"\\x{ord(c):02x}" for c in SPACES) + "'",
-    ),
-    set_flags=", ".join(
-        f"{getattr(NAMES['item'], c)} = clean.new_{c}" for c in FLAG_COLUMNS.values()
-    ),
-    moved_flags=", ".join(f"old_{c}, new_{c}" for c in FLAG_COLUMNS.values()),
+    old_flags=_OLD_FLAGS,
+    new_flags=_new_flags(words="%(words)s::bigint", heard="%(heard)s::text"),
+    set_flags=_SET_FLAGS,
+    moved_flags=_MOVED_FLAGS,
+)
+
+# Many completions of one worker at once (a batched completion), each as
+# COMPLETE would make it alone: the jobs leased to this worker under the tokens
+# asked with are locked with their items in id order (as every transition that
+# locks many jobs takes them: no deadlock), and each whose item and ledger row
+# agree and whose batch is not in its tail is completed with its own result
+# and quality flags (decided from its locked item, as COMPLETE decides them);
+# the counter shards and throughput minutes shift once per (batch, shard), in
+# that order (``shift_and_record``). Returns one row per completion asked for,
+# in the order asked: the job id, then as COMPLETE does (the item's status,
+# the open ledger row, the batch, the attempts, the instant, whether the batch
+# is in its tail; NULLs when the lease is not live) and whether it was
+# written. Those not written (not live, rows that disagree, the tail) are left
+# to the caller, which decides them as the single completion does.
+COMPLETE_MANY = sql(
+    """WITH asked AS (
+        SELECT * FROM unnest(%(jobs)s::bigint[], %(tokens)s::text[],
+            %(results)s::text[], %(words)s::bigint[], %(heard)s::text[])
+            WITH ORDINALITY AS a(job_id, token, result, words, heard, n)
+    ), target AS MATERIALIZED (
+        SELECT j.{job.id} AS id, j.{job.item} AS item_id, j.{job.batch} AS batch_id,
+            j.{job.attempts} AS attempts, i.{item.status} AS item_status,
+            COALESCE(i.{item.duration_ms}, 0) AS ms, l.{lease.id} AS lease_id,
+            a.result, {old_flags}, {new_flags}, {now} AS at
+        FROM {job} j
+        JOIN asked a ON a.job_id = j.{job.id} AND a.token = j.{job.lease_token}
+        JOIN {item} i ON i.{item.id} = j.{job.item}
+        LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
+            AND l.{lease.ended_at} IS NULL
+        WHERE j.{job.status} = {job_status[leased]} AND j.{job.leased_by} = %(worker)s
+        ORDER BY j.{job.id}
+        FOR NO KEY UPDATE OF j, i
+    ), tail AS (
+        SELECT c.{counter.batch} AS batch_id,
+            COALESCE(sum(c.{counter.queued}), 0) = 0 AS tail
+        FROM {counter} c
+        WHERE c.{counter.batch} IN (SELECT batch_id FROM target)
+        GROUP BY c.{counter.batch}
+    ), clean AS (
+        SELECT target.* FROM target
+        LEFT JOIN tail ON tail.batch_id = target.batch_id
+        WHERE item_status = {item_for[leased]} AND lease_id IS NOT NULL
+          AND NOT COALESCE(tail.tail, true)
+    ), job AS (
+        UPDATE {job} SET {job.status} = {job_status[completed]},
+            {job.result} = clean.result::jsonb, {job.lease_token} = NULL,
+            {job.leased_by} = NULL, {job.lease_expires_at} = NULL,
+            {job.finished_at} = clean.at, {job.updated_at} = clean.at
+        FROM clean WHERE {job}.{job.id} = clean.id
+        RETURNING {job}.{job.id} AS id
+    ), closed AS (
+        UPDATE {lease} SET {lease.ended_at} = clean.at,
+            {lease.end_reason} = {lease_end[completed]}, {lease.error} = ''
+        FROM clean WHERE {lease}.{lease.id} = clean.lease_id
+    ), item AS (
+        UPDATE {item} SET {item.status} = {item_for[completed]},
+            {item.updated_at} = clean.at, {set_flags}
+        FROM clean WHERE {item}.{item.id} = clean.item_id
+    ), moves AS (
+        SELECT batch_id, item_id, item_status AS old, {item_for[completed]} AS new, ms,
+            {moved_flags}
+        FROM clean
+    ), {shift}
+    SELECT asked.job_id, target.item_status, target.lease_id, target.batch_id,
+        target.attempts, target.at, tail.tail, job.id IS NOT NULL
+    FROM asked
+    LEFT JOIN target ON target.id = asked.job_id
+    LEFT JOIN tail ON tail.batch_id = target.batch_id
+    LEFT JOIN job ON job.id = asked.job_id
+    ORDER BY asked.n""",
+    shift=shift_and_record("moves", flags=True),
+    old_flags=_OLD_FLAGS,
+    new_flags=_new_flags(words="a.words", heard="a.heard"),
+    set_flags=_SET_FLAGS,
+    moved_flags=_MOVED_FLAGS,
 )
 
 # --- Reclaim ---------------------------------------------------------------------
