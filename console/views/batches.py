@@ -56,7 +56,6 @@ from engine.progress import (
 )
 from jobs import transitions
 from jobs.exceptions import BatchClosed
-from jobs.search import BadSearch, parse_search, with_transcript
 from jobs.models import (
     DeliveryStatus,
     Job,
@@ -65,6 +64,7 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
+from jobs.search import BadSearch, parse_search, with_transcript
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25

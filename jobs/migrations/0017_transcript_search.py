@@ -16,8 +16,7 @@ from django.db import migrations
 
 INDEX = "job_transcript_search"
 VECTOR = (
-    "to_tsvector('simple'::regconfig, "
-    "left(COALESCE((result ->> 'text'), ''), 100000))"
+    "to_tsvector('simple'::regconfig, left(COALESCE((result ->> 'text'), ''), 100000))"
 )
 
 
