@@ -133,7 +133,7 @@ def _found(items) -> list[int]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_items_are_found_by_every_word_of_their_transcript(backend, settings):
     settings.RECALL_TRANSITIONS_BACKEND = backend
-    batch = make_batch(4, name="calls")
+    batch = make_batch(3, name="calls")
     _transcribe(
         batch,
         [

@@ -15,22 +15,22 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def batch(db):
-    """Six items: five transcribed (two of them empty), one queued."""
-    batch = make_batch(durations=[60, 60, 10, 60, 60, 60], name="api-calls")
+    """Six items: five transcribed (one empty), one queued; and another batch
+    whose transcript has the word too."""
     worker = make_worker("gpu-api-search")
+    make_batch(1, name="elsewhere")
+    job = claim(worker, now=later(0))
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": "refund"}, now=later(0)
+    )
+    batch = make_batch(durations=[60, 60, 10, 60, 60, 60], name="api-calls")
     for n, text in enumerate(
-        ["refund please", "", "a REFUND, twice: refund", "no", "refund"]
+        ["refund please", "", "a REFUND, twice: refund", "no", "refund"], start=1
     ):
         job = claim(worker, now=later(n))
         transitions.complete(
             job, job.lease_token, worker=worker, result={"text": text}, now=later(n)
         )
-    other = make_batch(1, name="elsewhere")
-    job = claim(worker, now=later(10))
-    assert job.batch_id == other.pk
-    transitions.complete(
-        job, job.lease_token, worker=worker, result={"text": "refund"}, now=later(10)
-    )
     return batch
 
 
