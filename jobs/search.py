@@ -113,7 +113,9 @@ class TranscriptMatches(Func):
             (*params, self.search.text),
         )
 
-    def as_sql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+    def as_sql(  # type: ignore[override]
+        self, compiler: Any, connection: Any, **extra: Any
+    ) -> Any:
         sql, params = compiler.compile(self.source_expressions[0])
         text = f"COALESCE(JSON_EXTRACT({sql}, '$.text'), '')"
         # Words are letters and digits: nothing LIKE would read as a wildcard.

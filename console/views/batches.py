@@ -211,7 +211,7 @@ def _items_page(
         return number if number is not None and number <= MAX_ID else None
 
     def rows_of(ordering: tuple[str, ...], n: int, **where: int) -> list:
-        found: dict[int, object] = {}
+        found: dict[int, BatchItem] = {}
         for items in choices:
             for row in items.filter(**where).order_by(*ordering)[:n]:
                 found.setdefault(row.pk, row)
