@@ -38,7 +38,12 @@ from engine.manifests import (
 from engine.progress import BatchState, in_state, progress_for, progress_for_many
 from jobs import transitions
 from jobs.models import Job
-from jobs.search import BadSearch, in_batch_with_transcript, parse_search
+from jobs.search import (
+    BadSearch,
+    in_batch_with_transcript,
+    parse_search,
+    through_the_index,
+)
 from operator_api import tokens
 from operator_api.idempotency import IdempotencyConflict, body_hash, submit_once
 from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
@@ -373,7 +378,11 @@ def batch_items(
         rows = rows.filter(**{FLAG_COLUMNS[flag]: True})
     if cursor is not None:
         rows = rows.filter(pk__gt=cursor)
-    page = list(rows[: limit + 1])
+    if search is not None:
+        with through_the_index():
+            page = list(rows[: limit + 1])
+    else:
+        page = list(rows[: limit + 1])
     more, page = len(page) > limit, page[:limit]
     jobs = {
         job.item_id: job

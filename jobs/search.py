@@ -29,10 +29,12 @@ after a keyset cursor (the caller's ``pk`` filter).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from django.db import connection, transaction
 from django.db.models import BooleanField, F, Func, QuerySet
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
@@ -139,6 +141,29 @@ def in_batch_with_transcript(batch_id: int, search: Search) -> QuerySet[BatchIte
     )
 
 
+@contextmanager
+def through_the_index() -> Iterator[None]:
+    """Run the searches inside on PostgreSQL from the full-text index alone
+    (bitmap scans, then a sort of the matches), never from an ordered walk of
+    the items that tests each transcript on the way.
+
+    With a LIMIT, PostgreSQL prefers that walk whenever it believes a word
+    common; for a word it cannot see in its statistics it guesses 0.5% of the
+    rows, and for an item's own word (one hit in a million) the walk computed
+    a million vectors: minutes (row 22 of the benchmarks). Through the index
+    a page costs the matches after the cursor: nothing for a rare word, a
+    sort of every match for a word in most transcripts."""
+    if connection.vendor != "postgresql":
+        yield
+        return
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            "SET LOCAL enable_indexscan = off; SET LOCAL enable_indexonlyscan = off; "
+            "SET LOCAL enable_seqscan = off"
+        )
+        yield
+
+
 # --- What a hit shows -----------------------------------------------------------
 
 SNIPPET_BEFORE = 80  # characters of context before the first match
@@ -228,8 +253,6 @@ def format_offset(seconds: float) -> str:
 def matches_substrings() -> bool:
     """True where the match is by substring (SQLite), so that an excerpt
     marks what the database matched."""
-    from django.db import connection
-
     return connection.vendor != "postgresql"
 
 

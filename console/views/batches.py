@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import wraps
@@ -64,7 +65,7 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
-from jobs.search import BadSearch, parse_search, with_transcript
+from jobs.search import BadSearch, parse_search, through_the_index, with_transcript
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
@@ -212,19 +213,24 @@ def _items_page(
 
     def rows_of(ordering: tuple[str, ...], n: int, **where: int) -> list:
         found: dict[int, BatchItem] = {}
-        for items in choices:
-            for row in items.filter(**where).order_by(*ordering)[:n]:
-                found.setdefault(row.pk, row)
+        for k, items in enumerate(choices):
+            # The transcripts' choice (a search's second) through its index.
+            with through_the_index() if k else nullcontext():
+                for row in items.filter(**where).order_by(*ordering)[:n]:
+                    found.setdefault(row.pk, row)
         descending = ordering[-1].startswith("-")
         return sorted(found.values(), key=lambda r: r.pk, reverse=descending)[:n]
 
     def nearest(ordering: tuple[str, ...], **where: int) -> bool:
         # Ordered, not exists(): unordered, PostgreSQL may answer from a scan
         # of the whole table that it expects to stop early.
-        return any(
-            list(items.filter(**where).order_by(*ordering).values_list("pk")[:1])
-            for items in choices
-        )
+        for k, items in enumerate(choices):
+            with through_the_index() if k else nullcontext():
+                if list(
+                    items.filter(**where).order_by(*ordering).values_list("pk")[:1]
+                ):
+                    return True
+        return False
 
     after, before = cursor("after"), cursor("before")
     backwards = _backwards(order)

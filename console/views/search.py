@@ -16,7 +16,13 @@ from batches.models import BatchItem
 from batches.numbers import MAX_ID, whole_number
 from batches.roles import viewer_required
 from console.forms import SearchForm
-from jobs.search import Search, hits, matches_substrings, with_transcript
+from jobs.search import (
+    Search,
+    hits,
+    matches_substrings,
+    through_the_index,
+    with_transcript,
+)
 
 HITS_PER_PAGE = 25
 
@@ -68,7 +74,8 @@ def search(request: HttpRequest) -> HttpResponse:
         context["form"] = form
         if form.is_valid():
             context["search"] = form.cleaned_data["q"]
-            context.update(_page(request, context["search"]))
+            with through_the_index():
+                context.update(_page(request, context["search"]))
             # The search alone, for the pager's links.
             query = QueryDict(mutable=True)
             query["q"] = form.data["q"]
