@@ -20,6 +20,8 @@ from batches.flags import FLAGS
 from batches.labels import KEY, MAX_LABELS, VALUE
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from engine.progress import BatchState
+from jobs.search import MAX_SEARCH_CHARS as MAX_QUERY_CHARS
+from jobs.search import MAX_SEARCH_WORDS
 from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
 
 SECURITY: list[dict[str, list[str]]] = [{"apiToken": []}]
@@ -224,13 +226,37 @@ PATHS = {
                     "description": "Only the items with this quality flag.",
                     "schema": {"type": "string", "enum": list(FLAGS)},
                 },
+                {
+                    "name": "q",
+                    "in": "query",
+                    "required": False,
+                    "description": (
+                        "Only the done items whose transcript (the result's "
+                        "text) holds every word of this search, ignoring case. "
+                        "On PostgreSQL a full-text match of whole words (the "
+                        "'simple' configuration: no stemming, no stop words; "
+                        "the first 100,000 characters of each transcript); on "
+                        "SQLite each word as a substring. Combines with the "
+                        "other filters and the cursor; pages are in id order, "
+                        f"never counted or ranked. At most {MAX_QUERY_CHARS} "
+                        f"characters and {MAX_SEARCH_WORDS} words."
+                    ),
+                    "schema": {
+                        "type": "string",
+                        "minLength": 1,
+                        "maxLength": MAX_QUERY_CHARS,
+                    },
+                },
                 CURSOR,
                 LIMIT,
             ],
             "responses": {
                 "200": _json("ItemPage"),
                 **BATCH_ERRORS,
-                "400": _error("A bad state, flag, cursor or limit."),
+                "400": _error(
+                    "A bad state, flag, cursor or limit; a search (q) that is "
+                    "empty, too long, has too many words or none."
+                ),
             },
         }
     },

@@ -39,6 +39,12 @@ from engine.progress import BatchState, in_state, progress_for, progress_for_man
 from jobs import transitions
 from jobs.exceptions import BatchClosed, RerunRefused
 from jobs.models import Job
+from jobs.search import (
+    BadSearch,
+    in_batch_with_transcript,
+    parse_search,
+    through_the_index,
+)
 from operator_api import tokens
 from operator_api.idempotency import IdempotencyConflict, body_hash, submit_once
 from operator_api.models import MAX_IDEMPOTENCY_KEY_CHARS
@@ -353,25 +359,35 @@ def batch_detail(
 def batch_items(
     request: HttpRequest, user, *, now: datetime, batch_id: int
 ) -> HttpResponse:
-    _only(request, "state", "flag", "cursor", "limit")
+    _only(request, "state", "flag", "q", "cursor", "limit")
     batch = _batch(batch_id)
     state = _choice(request, "state", tuple(ItemStatus.values))
     flag = _choice(request, "flag", FLAGS)
     cursor, limit = _cursor(request), _limit(request)
+    search = request.GET.get("q")
     # The page's items first, alone (an ordered walk of the (batch, id) index
     # whatever the planner thinks of a just-loaded batch), then their jobs.
-    rows = (
-        BatchItem.objects.filter(batch=batch)
-        .only("id", "source", "params", "status", *FLAG_COLUMNS.values())
-        .order_by("pk")
-    )
+    rows = BatchItem.objects.filter(batch=batch)
+    if search is not None:
+        # Words in the transcripts (jobs.search): completed jobs only, in item
+        # order like every page, never counted or ranked.
+        try:
+            rows = in_batch_with_transcript(batch.pk, parse_search(search))
+        except BadSearch as bad:
+            raise bad_request(f"'q': {bad}") from None
+    rows = rows.only("id", "source", "params", "status", *FLAG_COLUMNS.values())
+    rows = rows.order_by("pk")
     if state:
         rows = rows.filter(status=state)
     if flag:  # through the flag's partial index on (batch, id)
         rows = rows.filter(**{FLAG_COLUMNS[flag]: True})
     if cursor is not None:
         rows = rows.filter(pk__gt=cursor)
-    page = list(rows[: limit + 1])
+    if search is not None:
+        with through_the_index():
+            page = list(rows[: limit + 1])
+    else:
+        page = list(rows[: limit + 1])
     more, page = len(page) > limit, page[:limit]
     jobs = {
         job.item_id: job

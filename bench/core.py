@@ -78,6 +78,8 @@ class Sizes:
     beat_interval: float = 10.0
     beat_seconds: float = 60.0
     claim_max_jobs: int = 8
+    search_items: int = 1_000_000
+    search_queries: int = 100
 
     @classmethod
     def quick(cls, processes: int) -> Sizes:
@@ -129,6 +131,8 @@ class Sizes:
             beat_workers=10,
             beat_interval=0.5,
             beat_seconds=2.0,
+            search_items=2_000,
+            search_queries=10,
         )
 
 

@@ -214,6 +214,8 @@ def model(args: dict, started) -> dict:
     With ``latency``: also the time of every claim (and with ``stamps``, when
     each began, wall clock). With ``bucket``: completions per ``bucket``
     seconds (sustained load). With ``stop_file``: stop once that file exists.
+    With ``results``: complete with each of them in turn (transcripts, row 22)
+    instead of ``{"text": "ok"}``.
     """
     from jobs import transitions
     from jobs.models import Job, Worker
@@ -238,7 +240,9 @@ def model(args: dict, started) -> dict:
 
         if job is None:
             break
-        transitions.complete(job, job.lease_token, worker=worker, result={"text": "ok"})
+        results = args.get("results") or [{"text": "ok"}]
+        result = results[done % len(results)]
+        transitions.complete(job, job.lease_token, worker=worker, result=result)
         done += 1
         if bucket:
             index = int((time.perf_counter() - began) // bucket)

@@ -173,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         "phases (default 60)",
     )
     parser.add_argument(
+        "--search-items",
+        type=int,
+        help="transcripts scenario 22 searches (default 1,000,000)",
+    )
+    parser.add_argument(
         "--database-url", help="measure this PostgreSQL (default: a private server)"
     )
     parser.add_argument(
@@ -216,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes.purge_baseline_seconds = args.purge_baseline_seconds
     if args.beat_seconds is not None:
         sizes.beat_seconds = args.beat_seconds
+    if args.search_items is not None:
+        sizes.search_items = args.search_items
     wanted = {n.strip() for n in args.only.split(",") if n.strip()} or set(SCENARIOS)
     unknown = wanted - set(SCENARIOS) - set(ALIASES)
     if unknown:

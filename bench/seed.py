@@ -36,6 +36,8 @@ from jobs.models import (
 )
 
 ITEM_MS = 60_000  # every seeded item "lasts" a minute: the ETA is duration-weighted
+# A done job's result (SQL; a literal % would be read as a placeholder).
+SEEDED_RESULT = '\'{"text": "seeded by the benchmark"}\'::jsonb'
 
 
 def reset() -> None:
@@ -89,10 +91,13 @@ def batch(
     max_attempts: int = 3,
     analyze: bool = True,
     requires: dict[str, str] | None = None,
+    done_result: str = SEEDED_RESULT,
 ) -> Batch:
     """One batch with ``completed`` done items, then ``leased`` in flight (held by
     ``worker`` until ``lease_expires_at``), then ``queued`` waiting; open only to
-    workers whose labels meet ``requires`` (none: open to every worker)."""
+    workers whose labels meet ``requires`` (none: open to every worker).
+    ``done_result``: the SQL of a done job's result (jsonb), which may name
+    the item's row as ``i`` (a transcript of its own, row 22)."""
     total = queued + completed + leased
     if leased and (worker is None or lease_expires_at is None):
         raise ValueError("leased items need a worker and a lease expiry")
@@ -144,8 +149,7 @@ def batch(
                    CASE i.status WHEN 'transcribing' THEN %(expires)s END,
                    CASE i.status WHEN 'transcribing' THEN %(now)s END,
                    %(now)s,
-                   CASE i.status WHEN 'done'
-                        THEN '{{"text": "seeded by the benchmark"}}'::jsonb END,
+                   CASE i.status WHEN 'done' THEN {done_result} END,
                    '', %(now)s, %(now)s,
                    CASE i.status WHEN 'done' THEN %(now)s END
             FROM {BatchItem._meta.db_table} i WHERE i.batch_id = %(batch)s

@@ -15,6 +15,7 @@ from batches.flags import FLAGS
 from batches.labels import MAX_LABELS, LabelError, format_pairs, parse_pairs
 from batches.models import MAX_IN_FLIGHT, MAX_WEIGHT, ItemStatus
 from engine.manifests import MAX_NAME_CHARS
+from jobs.search import MAX_SEARCH_CHARS, BadSearch, Search, parse_search
 
 # Pairs are written one per line or separated by commas (a value never holds one).
 PAIR_SEPARATOR = re.compile(r"[,\n]")
@@ -171,15 +172,15 @@ class NewBatchForm(ShareFields):
 
 
 class ItemFilterForm(forms.Form):
-    """The items table's filter: a state, a quality flag and a search in the
-    source."""
+    """The items table's filter: a state, a quality flag and a search (the
+    source's text, or words of the transcript: ``jobs.search``)."""
 
     state = forms.ChoiceField(required=False)
     flag = forms.ChoiceField(
         required=False,
         choices=[("", "any or none"), *((f, f.replace("_", " ")) for f in FLAGS)],
     )
-    q = forms.CharField(required=False, max_length=200, strip=True)
+    q = forms.CharField(required=False, max_length=MAX_SEARCH_CHARS, strip=True)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -192,3 +193,21 @@ class ItemFilterForm(forms.Form):
         if "\x00" in q:
             raise forms.ValidationError("The search must not contain NUL characters.")
         return q
+
+
+class SearchForm(forms.Form):
+    """The search page's query: words of the transcripts (``jobs.search``)."""
+
+    q = forms.CharField(
+        label="Words",
+        required=False,
+        max_length=MAX_SEARCH_CHARS,
+        strip=False,
+        widget=forms.TextInput(attrs={"type": "search", "autofocus": True}),
+    )
+
+    def clean_q(self) -> Search:
+        try:
+            return parse_search(self.cleaned_data["q"])
+        except BadSearch as bad:
+            raise forms.ValidationError(str(bad)) from None

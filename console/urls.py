@@ -1,6 +1,7 @@
 from django.urls import path
 
 from console.views import batches as views
+from console.views import search
 
 urlpatterns = [
     path("", views.batch_list, name="batch-list"),
@@ -22,4 +23,5 @@ urlpatterns = [
     path("batches/<int:pk>/requires", views.batch_requires, name="batch-requires"),
     path("batches/<int:pk>/export.<str:fmt>", views.batch_export, name="batch-export"),
     path("items/<int:pk>/", views.item_detail, name="item-detail"),
+    path("search/", search.search, name="search"),
 ]

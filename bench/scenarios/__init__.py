@@ -18,6 +18,7 @@ from bench.scenarios.peers import peers
 from bench.scenarios.progress import progress
 from bench.scenarios.purge_while_claiming import purge_while_claiming
 from bench.scenarios.routing import routing
+from bench.scenarios.search import search
 from bench.scenarios.sustained import sustained
 from bench.scenarios.sweep import sweep
 from bench.scenarios.throughput import throughput
@@ -40,6 +41,7 @@ SCENARIOS = {
     "19": routing,
     "20": fleet_heartbeats,
     "21": claim_many,
+    "22": search,
 }
 # 2, 3 and 8 are measured with 1, interleaved with it.
 ALIASES = {"2": "1", "3": "1", "8": "1"}

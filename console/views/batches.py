@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import wraps
@@ -71,6 +72,7 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
+from jobs.search import BadSearch, parse_search, through_the_index, with_transcript
 
 ITEMS_PER_PAGE = 50
 BATCHES_PER_PAGE = 25
@@ -166,13 +168,24 @@ def _items(batch: Batch, form: ItemFilterForm, progress: Progress):
         items = items.filter(status__gte=state, status__lte=state)
         order = ("batch_id", "status", "pk")
     if q:
-        items = items.filter(source__icontains=q)
-        return items, order, None
+        # Sources by substring (a scan of the batch's sources), and transcripts
+        # by their words (jobs.search, the index on PostgreSQL): two queries
+        # whose pages are merged, so each keeps its own plan.
+        choices = [items.filter(source__icontains=q)]
+        try:
+            search = parse_search(q)
+        except BadSearch:  # no word to look for: the source match alone
+            search = None
+        if search is not None:
+            choices.append(
+                with_transcript(items.filter(job__batch_id=batch.pk), search)
+            )
+        return choices, order, None
     # Without a search, the counters already know how many rows match.
     if flag:
         known = state in ("", ItemStatus.DONE)
-        return items, order, progress.flags[flag] if known else 0
-    return items, order, counts[state] if state else sum(counts.values())
+        return [items], order, progress.flags[flag] if known else 0
+    return [items], order, counts[state] if state else sum(counts.values())
 
 
 @dataclass
@@ -193,30 +206,49 @@ def _backwards(order: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _items_page(
-    items, order: tuple[str, ...], request: HttpRequest, count: int | None
+    choices: Sequence[QuerySet],
+    order: tuple[str, ...],
+    request: HttpRequest,
+    count: int | None,
 ) -> ItemsPage:
+    """One keyset page of the items any of ``choices`` selects (a search's
+    source matches and transcript matches are two), merged in id order."""
+
     def cursor(name: str) -> int | None:
         number = whole_number(request.GET.get(name, ""))
         return number if number is not None and number <= MAX_ID else None
 
-    def nearest(items) -> bool:
+    def rows_of(ordering: tuple[str, ...], n: int, **where: int) -> list:
+        found: dict[int, BatchItem] = {}
+        for k, items in enumerate(choices):
+            # The transcripts' choice (a search's second) through its index.
+            with through_the_index() if k else nullcontext():
+                for row in items.filter(**where).order_by(*ordering)[:n]:
+                    found.setdefault(row.pk, row)
+        descending = ordering[-1].startswith("-")
+        return sorted(found.values(), key=lambda r: r.pk, reverse=descending)[:n]
+
+    def nearest(ordering: tuple[str, ...], **where: int) -> bool:
         # Ordered, not exists(): unordered, PostgreSQL may answer from a scan
         # of the whole table that it expects to stop early.
-        return bool(list(items.values_list("pk", flat=True)[:1]))
+        for k, items in enumerate(choices):
+            with through_the_index() if k else nullcontext():
+                if list(
+                    items.filter(**where).order_by(*ordering).values_list("pk")[:1]
+                ):
+                    return True
+        return False
 
     after, before = cursor("after"), cursor("before")
     backwards = _backwards(order)
     if request.GET.get("last") == "1":
-        rows = list(items.order_by(*backwards)[:ITEMS_PER_PAGE])[::-1]
+        rows = rows_of(backwards, ITEMS_PER_PAGE)[::-1]
     elif before is not None:
-        rows = list(items.filter(pk__lt=before).order_by(*backwards)[:ITEMS_PER_PAGE])
-        rows.reverse()
+        rows = rows_of(backwards, ITEMS_PER_PAGE, pk__lt=before)[::-1]
     else:
-        rows = list(items.filter(pk__gt=after or 0).order_by(*order)[:ITEMS_PER_PAGE])
-    at_start = not rows or not nearest(
-        items.filter(pk__lt=rows[0].pk).order_by(*backwards)
-    )
-    at_end = not rows or not nearest(items.filter(pk__gt=rows[-1].pk).order_by(*order))
+        rows = rows_of(order, ITEMS_PER_PAGE, pk__gt=after or 0)
+    at_start = not rows or not nearest(backwards, pk__lt=rows[0].pk)
+    at_end = not rows or not nearest(order, pk__gt=rows[-1].pk)
     return ItemsPage(
         object_list=rows,
         count=count,

@@ -70,7 +70,7 @@ def test_a_tiny_bench_run_prints_every_figure():
     rows = re.findall(r"^(\d+)\s{2,}(.*)$", result.stdout, re.MULTILINE)
     assert {n for n, _ in rows} == {
         *(str(n) for n in range(1, 16)),
-        *(str(n) for n in range(17, 22)),
+        *(str(n) for n in range(17, 23)),
     }
     cells = [re.split(r"\s{2,}", row) for _, row in rows]
     scenarios = {c[0] for c in cells}
@@ -110,6 +110,10 @@ def test_a_tiny_bench_run_prints_every_figure():
     many = [c for c in cells if c[0] == "HTTP claim of many"]
     assert len(many) == 2
     assert many[1][1].count("tuned") == 2
+    searched = [c for c in cells if c[0] == "search"]
+    assert len(searched) == 4
+    assert searched[0][1].startswith("a batch of 2,000 transcripts")
+    assert re.match(r"[0-9.]+/s / [0-9.]+/s = [0-9.]+ \(CPU per", searched[3][2])
 
 
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")

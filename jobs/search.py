@@ -1,0 +1,286 @@
+"""Searching transcripts: the words of a search, the filter that matches them,
+and the excerpt shown for each hit. Read-only.
+
+A transcript is the ``text`` of a completed job's result. On PostgreSQL the
+match is full-text: a GIN index over
+``to_tsvector('simple', left(result->>'text', INDEXED_CHARS))`` of the
+completed jobs (migration ``jobs.0018_transcript_search``), queried with
+``plainto_tsquery('simple', <search>)``: every word of the search, whole,
+ignoring case. The ``simple`` configuration lower-cases words and nothing
+else (no stemming, no stop words), so it assumes no language: a batch of
+German calls is searched as well as one of English ones, and "refund" does
+not find "refunded". Only the first ``INDEXED_CHARS`` characters of a
+transcript are indexed, because PostgreSQL refuses a text-search vector of
+more than 1 MB, and a completion whose transcript produced one would fail.
+
+Because the index is an expression over the job's own row, nothing writes
+it but PostgreSQL: a completion indexes its transcript in its own
+transaction, a job that leaves ``completed`` (a retry, a re-run, a requeue)
+leaves the index with it, and a purged job takes its entry along.
+
+On SQLite (the embedded default) there is no index: the match is a scan of
+the batch's transcripts for every word as a substring (``LIKE``, so case is
+ignored for ASCII letters only), "fund" finding "refund" too.
+
+Pages are never counted or ranked: hits come in item order, a page at a time,
+after a keyset cursor (the caller's ``pk`` filter).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import BooleanField, F, Func, QuerySet
+from django.utils.html import escape
+from django.utils.safestring import SafeString, mark_safe
+
+from batches.models import BatchItem
+
+from .models import JobStatus
+
+# The text-search configuration: lower-cases, no stemming, no stop words.
+SEARCH_CONFIG = "simple"
+# Characters of a transcript the index holds (see the module docstring): a
+# vector holds each distinct word once, so 100,000 characters of the most
+# hostile text stay under PostgreSQL's 1 MB limit.
+INDEXED_CHARS = 100_000
+INDEX_NAME = "job_transcript_search"
+MAX_SEARCH_CHARS = 200
+MAX_SEARCH_WORDS = 16
+# A word: letters and digits (not "_", which PostgreSQL's parser splits on).
+WORD = re.compile(r"[^\W_]+")
+
+
+def transcript_vector_sql(result: str) -> str:
+    """The indexed expression over a job's ``result`` column (SQL): the query
+    must write it exactly so for PostgreSQL to use the index."""
+    return (
+        f"to_tsvector('{SEARCH_CONFIG}'::regconfig, "
+        f"left(COALESCE(({result} ->> 'text'), ''), {INDEXED_CHARS}))"
+    )
+
+
+class BadSearch(ValueError):
+    """A search that cannot run: empty, too long, no words, a NUL."""
+
+
+@dataclass(frozen=True)
+class Search:
+    """A search as typed (stripped) and its words, lower-cased, each once."""
+
+    text: str
+    words: tuple[str, ...]
+
+
+def parse_search(value: str) -> Search:
+    """The search ``value`` asks for; BadSearch says what is wrong with it."""
+    if "\x00" in value:
+        raise BadSearch("The search must not contain NUL characters.")
+    text = value.strip()
+    if not text:
+        raise BadSearch("Type a word to search for.")
+    if len(text) > MAX_SEARCH_CHARS:
+        raise BadSearch(
+            f"The search must be at most {MAX_SEARCH_CHARS} characters "
+            f"(it has {len(text)})."
+        )
+    words = tuple(dict.fromkeys(w.lower() for w in WORD.findall(text)))
+    if not words:
+        raise BadSearch("The search has no word to look for (letters or digits).")
+    if len(words) > MAX_SEARCH_WORDS:
+        raise BadSearch(f"The search must have at most {MAX_SEARCH_WORDS} words.")
+    return Search(text, words)
+
+
+class TranscriptMatches(Func):
+    """True where the result (a job's ``result`` column) has a transcript with
+    every word of the search: full-text on PostgreSQL, substrings elsewhere."""
+
+    output_field = BooleanField()
+
+    def __init__(self, result: str, search: Search) -> None:
+        super().__init__(F(result))
+        self.search = search
+
+    def as_postgresql(self, compiler: Any, connection: Any, **extra: Any) -> Any:
+        sql, params = compiler.compile(self.source_expressions[0])
+        vector = transcript_vector_sql(sql)
+        return (
+            f"{vector} @@ plainto_tsquery('{SEARCH_CONFIG}'::regconfig, %s)",
+            (*params, self.search.text),
+        )
+
+    def as_sql(  # type: ignore[override]
+        self, compiler: Any, connection: Any, **extra: Any
+    ) -> Any:
+        sql, params = compiler.compile(self.source_expressions[0])
+        text = f"COALESCE(JSON_EXTRACT({sql}, '$.text'), '')"
+        # Words are letters and digits: nothing LIKE would read as a wildcard.
+        conditions = " AND ".join(f"{text} LIKE %s" for _ in self.search.words)
+        values = [(*params, f"%{word}%") for word in self.search.words]
+        return f"({conditions})", tuple(v for pair in values for v in pair)
+
+
+def with_transcript(items: QuerySet[BatchItem], search: Search) -> QuerySet[BatchItem]:
+    """The ``items`` whose job is completed with a transcript that matches."""
+    return items.filter(job__status=JobStatus.COMPLETED).filter(
+        TranscriptMatches("job__result", search)
+    )
+
+
+def in_batch_with_transcript(batch_id: int, search: Search) -> QuerySet[BatchItem]:
+    """The batch's items whose transcript matches: the job's batch too, so that
+    PostgreSQL can intersect the word's index entries with the batch's jobs."""
+    return with_transcript(
+        BatchItem.objects.filter(batch_id=batch_id, job__batch_id=batch_id), search
+    )
+
+
+@contextmanager
+def through_the_index() -> Iterator[None]:
+    """Run the searches inside on PostgreSQL from the full-text index alone
+    (bitmap scans, then a sort of the matches), never from an ordered walk of
+    the items that tests each transcript on the way.
+
+    With a LIMIT, PostgreSQL prefers that walk whenever it believes a word
+    common; for a word it cannot see in its statistics it guesses 0.5% of the
+    rows, and for an item's own word (one hit in a million) the walk computed
+    a million vectors: minutes (row 22 of the benchmarks). Through the index
+    a page costs the matches after the cursor: nothing for a rare word, a
+    sort of every match for a word in most transcripts."""
+    if connection.vendor != "postgresql":
+        yield
+        return
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            "SET LOCAL enable_indexscan = off; SET LOCAL enable_indexonlyscan = off; "
+            "SET LOCAL enable_seqscan = off"
+        )
+        yield
+
+
+# --- What a hit shows -----------------------------------------------------------
+
+SNIPPET_BEFORE = 80  # characters of context before the first match
+SNIPPET_CHARS = 240  # characters of the excerpt in all
+MAX_SEGMENTS_READ = 10_000
+
+
+def transcript_of(result: object) -> str:
+    """The transcript of a stored result ('' when it has none)."""
+    text = result.get("text") if isinstance(result, dict) else None
+    return text if isinstance(text, str) else ""
+
+
+def _matches(text: str, search: Search, *, substrings: bool) -> Iterable[re.Match]:
+    """Where the search's words are in ``text``: whole words, or anywhere in a
+    word with ``substrings`` (the SQLite match)."""
+    if substrings:
+        alternatives = sorted(search.words, key=len, reverse=True)
+        pattern = "|".join(re.escape(word) for word in alternatives)
+        return re.finditer(pattern, text, re.IGNORECASE)
+    wanted = set(search.words)
+    return (m for m in WORD.finditer(text) if m.group().lower() in wanted)
+
+
+def snippet(text: str, search: Search, *, substrings: bool = False) -> SafeString:
+    """An excerpt of ``text`` around the first word of the search found, as
+    HTML: the text escaped, each word found in ``<mark>``. The start of the
+    text when no word is found (a match PostgreSQL's parser made differently)."""
+    text = text[:INDEXED_CHARS]
+    found = list(_matches(text, search, substrings=substrings))
+    first = found[0].start() if found else 0
+    start = max(0, first - SNIPPET_BEFORE)
+    if start:  # begin at a word
+        space = text.find(" ", start, first)
+        start = space + 1 if space != -1 else start
+    end = min(len(text), start + SNIPPET_CHARS)
+    if end < len(text):
+        space = text.rfind(" ", max(first + 1, start), end)
+        end = space if space > first else end
+    parts = ["…"] if start else []
+    at = start
+    for match in found:
+        if match.start() < at:
+            continue
+        if match.end() > end:
+            break
+        parts.append(escape(text[at : match.start()]))
+        parts.append(f"<mark>{escape(match.group())}</mark>")
+        at = match.end()
+    parts.append(escape(text[at:end]))
+    if end < len(text):
+        parts.append("…")
+    return mark_safe("".join(parts))
+
+
+def first_matching_segment(
+    result: object, search: Search, *, substrings: bool = False
+) -> float | None:
+    """The start (seconds) of the first timed segment of ``result`` whose text
+    holds a word of the search; None when none does or there are none."""
+    segments = result.get("segments") if isinstance(result, dict) else None
+    if not isinstance(segments, list):
+        return None
+    for segment in segments[:MAX_SEGMENTS_READ]:
+        if not isinstance(segment, dict):
+            continue
+        start, text = segment.get("start"), segment.get("text")
+        if (
+            isinstance(start, int | float)
+            and not isinstance(start, bool)
+            and start >= 0
+            and isinstance(text, str)
+            and next(iter(_matches(text, search, substrings=substrings)), None)
+        ):
+            return float(start)
+    return None
+
+
+def format_offset(seconds: float) -> str:
+    """A time into the recording: ``m:ss``, or ``h:mm:ss`` past an hour."""
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"
+
+
+def matches_substrings() -> bool:
+    """True where the match is by substring (SQLite), so that an excerpt
+    marks what the database matched."""
+    return connection.vendor != "postgresql"
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One item a search found, as the search page shows it."""
+
+    item: BatchItem
+    snippet: SafeString
+    start: float | None  # seconds: the first matching timed segment's start
+
+    @property
+    def start_text(self) -> str:
+        return "" if self.start is None else format_offset(self.start)
+
+
+def hits(items: Iterable[BatchItem], search: Search) -> list[Hit]:
+    """The excerpt and the first matching segment of each of ``items`` (read
+    with their jobs' results)."""
+    substrings = matches_substrings()
+    found = []
+    for item in items:
+        result = item.job.result
+        found.append(
+            Hit(
+                item,
+                snippet(transcript_of(result), search, substrings=substrings),
+                first_matching_segment(result, search, substrings=substrings),
+            )
+        )
+    return found

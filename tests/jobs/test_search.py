@@ -1,0 +1,261 @@
+"""Searching transcripts (jobs.search): what a search is, which items match on
+each database, and what a hit shows (the excerpt, escaped, and the first
+matching segment's start)."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from batches.models import BatchItem
+from jobs import transitions
+from jobs.models import Job, JobStatus
+from jobs.search import (
+    INDEX_NAME,
+    INDEXED_CHARS,
+    MAX_SEARCH_CHARS,
+    MAX_SEARCH_WORDS,
+    BadSearch,
+    Search,
+    TranscriptMatches,
+    first_matching_segment,
+    format_offset,
+    in_batch_with_transcript,
+    parse_search,
+    snippet,
+    with_transcript,
+)
+from tests.support.factories import claim, later, make_batch, make_worker
+
+BACKENDS = ("auto", "orm")  # PostgreSQL's statements (the ORM on SQLite), the ORM
+
+# --- What a search is (pure) ---------------------------------------------------------
+
+
+def test_a_search_is_its_words_lower_cased_each_once():
+    search = parse_search("  Refund, REFUND the order #42_b  ")
+
+    assert search == Search(
+        "Refund, REFUND the order #42_b", ("refund", "the", "order", "42", "b")
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("", "Type a word"),
+        ("   \t", "Type a word"),
+        ("x" * (MAX_SEARCH_CHARS + 1), f"at most {MAX_SEARCH_CHARS} characters"),
+        ("?! -- ...", "no word to look for"),
+        ("refund\x00", "NUL"),
+        (" ".join(f"w{n}" for n in range(MAX_SEARCH_WORDS + 1)), "at most 16 words"),
+    ],
+)
+def test_a_search_that_cannot_run_says_why(value, message):
+    with pytest.raises(BadSearch, match=message):
+        parse_search(value)
+
+
+def test_the_excerpt_escapes_the_transcript_and_marks_only_the_words():
+    text = 'Hello <script>alert("x")</script> I want a Refund & <b>now</b>'
+
+    html = snippet(text, parse_search("refund script"))
+
+    assert html == (
+        "Hello &lt;<mark>script</mark>&gt;alert(&quot;x&quot;)&lt;/<mark>script"
+        "</mark>&gt; I want a <mark>Refund</mark> &amp; &lt;b&gt;now&lt;/b&gt;"
+    )
+    assert "<script>" not in html
+
+
+def test_the_excerpt_is_around_the_first_word_found():
+    text = " ".join(f"w{n}" for n in range(200)) + " refund " + "tail " * 100
+
+    html = snippet(text, parse_search("refund"))
+
+    assert html.startswith("…")
+    assert html.endswith("…")
+    assert "<mark>refund</mark>" in html
+    assert len(html) < 300
+    # Whole words: "refunded" is not "refund" (as PostgreSQL matches)...
+    assert "<mark>" not in snippet("refunded", parse_search("refund"))
+    # ... but it is on SQLite, whose match is by substring.
+    assert snippet("refunded", parse_search("refund"), substrings=True) == (
+        "<mark>refund</mark>ed"
+    )
+
+
+def test_the_first_matching_segment_gives_its_start():
+    result = {
+        "text": "hello there. about the refund. bye",
+        "segments": [
+            {"start": 0.0, "end": 2.0, "text": "hello there."},
+            "not a segment",
+            {"start": "soon", "end": 9, "text": "a refund without a time"},
+            {"start": 65.4, "end": 70.0, "text": "about the Refund."},
+            {"start": 80.0, "end": 81.0, "text": "refund again"},
+        ],
+    }
+
+    assert first_matching_segment(result, parse_search("refund")) == 65.4
+    assert first_matching_segment(result, parse_search("nothing")) is None
+    assert first_matching_segment({"text": "refund"}, parse_search("refund")) is None
+    assert first_matching_segment("junk", parse_search("refund")) is None
+    assert [format_offset(s) for s in (0, 65.4, 3725)] == ["0:00", "1:05", "1:02:05"]
+
+
+# --- Which items match ---------------------------------------------------------------
+
+
+def _transcribe(batch, texts, *, at=1):
+    """Claim and complete the batch's items in order with these transcripts."""
+    worker = make_worker(f"gpu-{batch.pk}")
+    for n, text in enumerate(texts):
+        job = claim(worker, now=later(at + n))
+        result = text if isinstance(text, dict) else {"text": text}
+        transitions.complete(
+            job, job.lease_token, worker=worker, result=result, now=later(at + n)
+        )
+
+
+def _ids(batch) -> list[int]:
+    return list(
+        BatchItem.objects.filter(batch=batch)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+
+
+def _found(items) -> list[int]:
+    return list(items.order_by("pk").values_list("pk", flat=True))
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_items_are_found_by_every_word_of_their_transcript(backend, settings):
+    settings.RECALL_TRANSITIONS_BACKEND = backend
+    batch = make_batch(3, name="calls")
+    _transcribe(
+        batch,
+        [
+            "The customer asked for a REFUND today",
+            "no money back here",
+            {"text": "refund policy explained", "segments": []},
+        ],
+    )
+    other = make_batch(1, name="other")
+    _transcribe(other, ["a refund in another batch"], at=10)
+    ids = _ids(batch)
+
+    def found(q: str) -> list[int]:
+        return _found(in_batch_with_transcript(batch.pk, parse_search(q)))
+
+    assert found("refund") == [ids[0], ids[2]]
+    assert found("Refund policy") == [ids[2]]  # every word
+    assert found("money back") == [ids[1]]
+    assert found("absent") == []
+    # Every batch's (the search page's scope).
+    everywhere = _found(
+        with_transcript(BatchItem.objects.all(), parse_search("refund"))
+    )
+    assert everywhere == [ids[0], ids[2], _ids(other)[0]]
+
+
+@pytest.mark.django_db
+def test_a_job_that_is_not_completed_is_not_found():
+    batch = make_batch(2)
+    _transcribe(batch, ["refund one"])
+    # A job that leaves completed (as a re-run will send it back) is not found,
+    # whatever its result still holds.
+    Job.objects.filter(batch=batch, status=JobStatus.COMPLETED).update(
+        status=JobStatus.CANCELLED
+    )
+    Job.objects.filter(batch=batch, status=JobStatus.QUEUED).update(
+        result={"text": "refund two"}
+    )
+
+    assert _found(in_batch_with_transcript(batch.pk, parse_search("refund"))) == []
+
+
+@pytest.mark.django_db
+@pytest.mark.postgres
+def test_on_postgresql_the_search_uses_the_full_text_index():
+    batch = make_batch(2)
+    _transcribe(batch, ["refund please", "nothing"])
+    # The query's expression is the index's exactly (else PostgreSQL would
+    # compute every transcript's vector instead).
+    jobs = Job.objects.filter(status=JobStatus.COMPLETED).filter(
+        TranscriptMatches("result", parse_search("refund"))
+    )
+    sql, params = jobs.values_list("pk").query.sql_with_params()
+
+    with connection.cursor() as cursor:
+        # With two jobs any index would do: leave the planner this one alone
+        # (the test's transaction rolls the drop back).
+        cursor.execute("DROP INDEX job_batch_status")
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        cursor.execute(f"EXPLAIN {sql}", params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+
+    assert f"Bitmap Index Scan on {INDEX_NAME}" in plan, plan
+    items = in_batch_with_transcript(batch.pk, parse_search("refund"))
+    assert _found(items) == [_ids(batch)[0]]
+
+
+@pytest.mark.django_db
+@pytest.mark.postgres
+def test_on_postgresql_the_index_is_partial_over_completed_jobs():
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = %s", [INDEX_NAME]
+        )
+        (definition,) = cursor.fetchone()
+
+    assert "USING gin" in definition
+    assert "'simple'::regconfig" in definition
+    assert f"{INDEXED_CHARS})" in definition
+    assert "WHERE ((status)::text = 'completed'::text)" in definition
+
+
+@pytest.mark.django_db
+@pytest.mark.postgres
+def test_on_postgresql_a_huge_transcript_completes_and_its_start_is_searchable():
+    # Half a million distinct words: their vector would be several MB, over
+    # PostgreSQL's 1 MB limit, and the completion would fail with it. Only the
+    # first INDEXED_CHARS characters are indexed.
+    text = "early " + " ".join(f"w{n:07}" for n in range(500_000)) + " late"
+    batch = make_batch(1)
+    _transcribe(batch, [text])
+
+    assert Job.objects.get(batch=batch).status == JobStatus.COMPLETED
+    assert _found(in_batch_with_transcript(batch.pk, parse_search("early"))) == _ids(
+        batch
+    )
+    assert _found(in_batch_with_transcript(batch.pk, parse_search("late"))) == []
+
+
+@pytest.mark.django_db
+@pytest.mark.postgres
+def test_on_postgresql_words_are_whole_and_any_language():
+    batch = make_batch(3)
+    _transcribe(batch, ["refunded", "Rückerstattung bitte", "返金 してください"])
+    ids = _ids(batch)
+
+    def found(q: str) -> list[int]:
+        return _found(in_batch_with_transcript(batch.pk, parse_search(q)))
+
+    assert found("refund") == []  # no stemming: the 'simple' configuration
+    assert found("RÜCKERSTATTUNG") == [ids[1]]
+    assert found("返金") == [ids[2]]
+
+
+@pytest.mark.django_db
+def test_on_sqlite_words_match_as_substrings():
+    if connection.vendor == "postgresql":
+        pytest.skip("SQLite's match")
+    batch = make_batch(2)
+    _transcribe(batch, ["refunded", "nothing"])
+
+    found = _found(in_batch_with_transcript(batch.pk, parse_search("FUND")))
+
+    assert found == [_ids(batch)[0]]
