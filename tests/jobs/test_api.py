@@ -472,6 +472,7 @@ def test_the_openapi_description_is_served_and_covers_every_endpoint(db):
         "/api/v1/jobs/{job_id}/heartbeat",
         "/api/v1/heartbeat",
         "/api/v1/jobs/{job_id}/complete",
+        "/api/v1/complete",
         "/api/v1/jobs/{job_id}/fail",
         "/api/v1/jobs/{job_id}/release",
     }
