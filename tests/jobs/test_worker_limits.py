@@ -267,7 +267,7 @@ def test_the_api_document_gives_every_worker_call_its_429_rate_limited():
         for operation in operations.values()
         if "worker" in operation["tags"]
     ]
-    assert len(worker_calls) == 6
+    assert len(worker_calls) == 7
     for operation in worker_calls:
         limited = operation["responses"]["429"]
         assert "rate_limited" in limited["description"]
