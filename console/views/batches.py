@@ -338,7 +338,9 @@ def _detail_context(request: HttpRequest, batch: Batch, *, chart: bool = True) -
         "can_change": user.has_perm("batches.change_batch"),
         "requires_form": RequiresForm(initial={"requires": batch.requires}),
         # Re-run (the change permission too): ticked items or a flag.
-        "rerun_form": RerunForm(),
+        # Its own ids: the requirements' and the filters' forms on this page
+        # have fields of the same names (requires, flag).
+        "rerun_form": RerunForm(auto_id="rerun_%s"),
         "rerun_allowed": user.has_perm("batches.change_batch")
         and batch.cancelled_at is None,
         "live_leases": Job.objects.filter(status=JobStatus.LEASED).count(),

@@ -5,6 +5,8 @@ page shows the earlier runs beside the new one."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib.auth.models import Permission
 
@@ -182,3 +184,18 @@ def test_the_admin_offers_no_rerun_without_the_change_permission(db):
         {"action": "rerun_items", "_selected_action": _items(batch)},
     )
     assert not JobRun.objects.exists()
+
+
+def test_the_batch_page_with_both_forms_has_no_id_twice():
+    # The requirements' form, the filters and the re-run form have fields of
+    # the same names: each must keep its own ids, or a label (and a browser
+    # test's locator) finds the wrong field.
+    batch = make_batch(durations=[60.0, 60.0])  # open: its requirements editable
+    worker = make_worker("w-ids")
+    job = transitions.claim_next(worker)
+    transitions.complete(job, job.lease_token, worker=worker, result={"text": "a"})
+    client, _ = _changer()
+    page = client.get(f"/batches/{batch.pk}/").content.decode()
+    assert 'id="rerun-form"' in page and "requires-form" in page
+    ids = re.findall(r'\sid="([^"]+)"', page)
+    assert sorted({i for i in ids if ids.count(i) > 1}) == []

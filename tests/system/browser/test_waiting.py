@@ -100,7 +100,7 @@ def test_the_wait_is_on_screen_and_nothing_scrolls_sideways(
     expect(page.locator("[data-eta]")).to_have_text("— (waiting for a worker)")
     # A superuser may change the requirements: the form opens and fits too.
     page.get_by_text("Change the worker labels it requires").click()
-    field = page.locator("textarea[name=requires]")
+    field = page.locator(".requires-form textarea[name=requires]")
     _on_screen(page, field)
     # Its help is not squeezed into a sliver beside it (on a phone it stacks).
     help_box = page.locator(".requires-form .muted.small").bounding_box()
