@@ -28,6 +28,7 @@ from jobs import transitions
 from jobs.models import (
     Event,
     Job,
+    JobRun,
     Lease,
     WebhookAttempt,
     WebhookDelivery,
@@ -41,8 +42,9 @@ SEEDED_RESULT = '\'{"text": "seeded by the benchmark"}\'::jsonb'
 
 
 def reset() -> None:
-    """Empty every batch, item, job, ledger and event row, the intakes, the
-    webhook outbox and the submissions' idempotency keys (workers stay)."""
+    """Empty every batch, item, job (and its earlier runs), ledger and event
+    row, the intakes, the webhook outbox and the submissions' idempotency
+    keys (workers stay)."""
     from batches.intake_records import Intake, IntakeChunk
     from operator_api.models import IdempotencyKey
 
@@ -53,6 +55,7 @@ def reset() -> None:
             *outbox,
             Event,
             Lease,
+            JobRun,
             Job,
             BatchMinute,
             BatchCounter,
