@@ -491,17 +491,10 @@ CLAIM = _claim(
     result="SELECT turn.held, pick.* FROM turn LEFT JOIN pick ON true",
 )
 
-# The common case in one statement: nothing to do first, and the first open
-# batch in claim order is uncapped and has a job no other claim holds. Returns
-# the chores' flags, the first batch, the statement's instant, and the job as
-# CLAIM does if there was one (else NULLs): when there is none the caller takes
-# the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also covers
-# chores, capped batches, and taken or drifted rows. The claim is charged to
-# the batch's share when a second open batch of its priority has work too. The
-# worker's turn is taken only when there is such a batch (an idle claim takes
-# no lock); its count is returned after the first batch (NULL when not taken).
-CLAIM_FIRST = _claim(
-    prelude=f"""chores AS (
+# The chores, the first open batch in claim order the worker can serve (with
+# its cap) and whether another batch of its priority has work too (``rival``):
+# how CLAIM_FIRST and CLAIM_MANY both begin.
+FIRST_BATCH = f"""chores AS (
         SELECT {CHORES}
     ), top AS (
         {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
@@ -513,7 +506,20 @@ CLAIM_FIRST = _claim(
             SELECT 1 FROM top, first
             WHERE top.id <> first.id AND top.priority = first.priority
         ) AS found
-    ), turn AS (
+    ),"""
+
+# The common case in one statement: nothing to do first, and the first open
+# batch in claim order is uncapped and has a job no other claim holds. Returns
+# the chores' flags, the first batch, the statement's instant, and the job as
+# CLAIM does if there was one (else NULLs): when there is none the caller takes
+# the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also covers
+# chores, capped batches, and taken or drifted rows. The claim is charged to
+# the batch's share when a second open batch of its priority has work too. The
+# worker's turn is taken only when there is such a batch (an idle claim takes
+# no lock); its count is returned after the first batch (NULL when not taken).
+CLAIM_FIRST = _claim(
+    prelude=FIRST_BATCH
+    + f""" turn AS (
         SELECT {TURN} AS held FROM first WHERE NOT capped
     ),""",
     batch_id="(SELECT id FROM first WHERE NOT capped)",
@@ -541,19 +547,8 @@ CLAIM_FIRST = _claim(
 # the statement cannot take the jobs (chores, a capped first batch, a
 # rival) it writes nothing and the caller claims one job at a time.
 CLAIM_MANY = _claim(
-    prelude=f"""chores AS (
-        SELECT {CHORES}
-    ), top AS (
-        {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
-        LIMIT 2
-    ), first AS (
-        SELECT * FROM top ORDER BY priority DESC, virtual_time, id LIMIT 1
-    ), rival AS (
-        SELECT EXISTS (
-            SELECT 1 FROM top, first
-            WHERE top.id <> first.id AND top.priority = first.priority
-        ) AS found
-    ), chosen AS (
+    prelude=FIRST_BATCH
+    + f""" chosen AS (
         SELECT id FROM first WHERE NOT capped AND NOT (SELECT found FROM rival)
     ), turn AS (
         SELECT {TURN} AS held FROM chosen
