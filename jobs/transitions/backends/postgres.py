@@ -62,6 +62,44 @@ from .orm import Candidate, OrmBackend
 # below prepares ours at once).
 PREPARE_THRESHOLD = 5
 
+
+def prepares(connection: BaseDatabaseWrapper) -> bool:
+    """Whether this backend prepares its statements on ``connection``: on
+    PostgreSQL with the statement backend, unless ``RECALL_PREPARED_STATEMENTS``
+    is off or Django binds server-side itself (its cursors then prepare)."""
+    return (
+        connection.vendor == "postgresql"
+        and settings.RECALL_TRANSITIONS_BACKEND == "auto"
+        and settings.RECALL_PREPARED_STATEMENTS
+        and not connection.settings_dict["OPTIONS"].get("server_side_binding")
+    )
+
+
+def plan_once(*, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    """On a new connection whose statements this backend prepares: keep one
+    plan per prepared statement (``plan_cache_mode``), never re-plan it.
+
+    PostgreSQL plans a prepared statement for its first five executions with
+    their values, then compares a generic plan's estimated cost with theirs
+    and keeps planning anew each time the generic one looks dearer. It looks
+    dearer for the claim as soon as labels are in it: a generic plan cannot
+    read the statistics of ``requires <@ %(labels)s`` and guesses 1% of the
+    rows, so it expects the claim index's walk to be a hundred times as long
+    as it is. The claim was then planned on every call, about 1.8 ms of the
+    database's CPU over 0.6 ms of execution; its generic plan runs as fast
+    (docs/development/benchmark-history.md, "The claim planned on every
+    call"). Every statement here is written for one plan whatever its values
+    (ids, a token, the worker's labels), so the generic plan is kept for all.
+
+    Only prepared statements (and PL/pgSQL's) have cached plans: Django's own
+    queries, bound client-side, are planned each time as before. Run when the
+    connection is made (Django's ``connection_created``, in autocommit), so no
+    rolled-back transaction can undo it."""
+    if prepares(connection):
+        with connection.cursor() as cursor:
+            cursor.execute("SET plan_cache_mode = force_generic_plan")
+
+
 JOB_FIELDS = Job._meta.concrete_fields
 ITEM_FIELDS = BatchItem._meta.concrete_fields
 
