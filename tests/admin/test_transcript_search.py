@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from jobs import transitions
 from jobs.models import Job
 from jobs.search import transcript_vector_sql
-from tests.support.admin import JOBS
+from tests.support.admin import JOBS, act, messages_of
 from tests.support.factories import is_postgres, make_batch
 
 pytestmark = pytest.mark.django_db
@@ -136,3 +136,26 @@ def test_on_postgresql_the_transcripts_are_searched_through_the_index(
         assert "UNION" in sql
         assert re.search(INDEXED_MATCH, sql), sql
         assert " OR " not in sql
+
+
+def test_the_re_run_action_takes_every_item_a_transcript_search_lists(
+    superuser_client, transcribed
+):
+    """Every item a transcript search lists ("all N matching"), re-run from
+    the item list: the action filters the search's rows as any list's."""
+    jobs = transcribed
+
+    response = act(
+        superuser_client,
+        "rerun_items",
+        [jobs["calls-0"].item_id],
+        confirm=False,
+        url=f"{ITEMS}?q=today+refund",
+        select_across=True,
+    )
+
+    assert response.status_code == 302
+    assert messages_of(response) == ["Re-running 1 item as a new run."]
+    assert sorted(
+        Job.objects.filter(status="queued").values_list("item_id", flat=True)
+    ) == _items(jobs, "calls-0", "calls-2")
