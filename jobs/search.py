@@ -41,7 +41,7 @@ from django.utils.safestring import SafeString, mark_safe
 
 from batches.models import BatchItem
 
-from .models import JobStatus
+from .models import Job, JobStatus
 
 # The text-search configuration: lower-cases, no stemming, no stop words.
 SEARCH_CONFIG = "simple"
@@ -130,6 +130,14 @@ def with_transcript(items: QuerySet[BatchItem], search: Search) -> QuerySet[Batc
     """The ``items`` whose job is completed with a transcript that matches."""
     return items.filter(job__status=JobStatus.COMPLETED).filter(
         TranscriptMatches("job__result", search)
+    )
+
+
+def jobs_with_transcript(jobs: QuerySet[Job], search: Search) -> QuerySet[Job]:
+    """The ``jobs`` that are completed with a transcript that matches (the
+    index's own rows on PostgreSQL)."""
+    return jobs.filter(status=JobStatus.COMPLETED).filter(
+        TranscriptMatches("result", search)
     )
 
 

@@ -4,7 +4,13 @@ A fresh demo database (SQLite, under var/demo/, apart from `make run`'s), a
 demo admin login, demo batches with a few hundred items that have durations,
 gunicorn and the django-q2 cluster, and three reference workers with the
 simulated engine. Routing: one batch requires the label model=large-v3, which
-only worker gpu-1 offers (``--label``), so only gpu-1 takes its jobs. One of
+only worker gpu-1 offers (``--label``), so only gpu-1 takes its jobs. Re-run:
+each batch that finishes with transcripts flagged short has those re-run once,
+by the same transition as the batch page's Re-run button and the Operator
+API's ``POST /api/v1/batches/<id>/rerun`` (``transitions.rerun``, as the demo
+login), on the workers offering model=large-v3 (gpu-1 alone): the finished
+batch runs again, finishes again, and each re-run item's page shows its
+earlier run. One of
 the workers is killed with SIGKILL and restarted every so often, so its leases
 expire and are reclaimed while you watch. Leases are short
 (RECALL_LEASE_SECONDS=15) so that happens within seconds.
@@ -63,6 +69,10 @@ WORKER_LABELS = {
 }
 ROUTED_BATCH = "Demo: lectures (large-v3 only)"
 ROUTED_REQUIRES = {"model": "large-v3"}
+# Re-run: the flag whose items each finished batch re-runs once, and the
+# requirement of the new run (which only gpu-1 offers).
+RERUN_FLAG = "short"
+RERUN_REQUIRES = {"model": "large-v3"}
 
 
 def say(message: str) -> None:
@@ -222,6 +232,72 @@ def routed_progress() -> str | None:
     )
 
 
+class Reruns:
+    """The demo's operator re-running what came out wrong: each batch that
+    finishes with items flagged RERUN_FLAG has them re-run once, on the
+    workers offering RERUN_REQUIRES, through ``transitions.rerun`` as the
+    demo login (the batch page and the Operator API call it so too); when the
+    batch finishes again, the terminal says so."""
+
+    def __init__(self) -> None:
+        self.rerun: dict[int, int] = {}  # batch id -> items re-run
+        self.refinished: set[int] = set()
+
+    def new_lines(self) -> list[str]:
+        """Re-run the batches that finished since the last call, and report
+        those whose re-run finished (one query for the batches, a few small
+        ones per batch that finished)."""
+        from django.contrib.auth import get_user_model
+
+        from batches.models import Batch, flag_counts
+        from jobs import transitions
+
+        lines = []
+        finished = Batch.objects.filter(
+            finished_at__isnull=False, cancelled_at__isnull=True
+        ).exclude(pk__in=self.refinished)
+        for batch in finished.order_by("pk"):
+            if batch.pk in self.rerun:
+                self.refinished.add(batch.pk)
+                n = self.rerun[batch.pk]
+                lines.append(
+                    f"re-run: {batch.name} finished again; each re-run item's "
+                    f"page shows its earlier run ({n} item{'s' * (n != 1)})"
+                )
+                continue
+            flagged = flag_counts(batch.counts())[RERUN_FLAG]
+            if not flagged:
+                self.rerun[batch.pk] = 0
+                self.refinished.add(batch.pk)
+                continue
+            operator = get_user_model().objects.get(username=ADMIN)
+            n = transitions.rerun(
+                batch, flag=RERUN_FLAG, requires=RERUN_REQUIRES, actor=operator
+            )
+            self.rerun[batch.pk] = n
+            if not n:  # nothing was done and flagged after all: not reopened
+                self.refinished.add(batch.pk)
+                continue
+            lines.append(
+                f"re-run: {batch.name} finished with {n} transcript"
+                f"{'s' * (n != 1)} flagged {RERUN_FLAG}; re-running "
+                f"{'them' if n != 1 else 'it'} on the workers offering "
+                f"{pairs(RERUN_REQUIRES)} (the batch page's Re-run, as {ADMIN})"
+            )
+        return lines
+
+    def settled(self) -> bool:
+        """Every batch that is not cancelled has finished, and finished again
+        after its re-run if it had one."""
+        from batches.models import Batch
+
+        return not (
+            Batch.objects.filter(cancelled_at__isnull=True)
+            .exclude(pk__in=self.refinished)
+            .exists()
+        )
+
+
 def stop(child: Process, timeout: float) -> None:
     """One SIGTERM to the child alone (Ctrl-C reached only the demo, which stops
     each child the way it wants); SIGKILL its whole session if it is not gone
@@ -275,6 +351,7 @@ class Demo:
         self.restart_at: float | None = None
         self.next_progress = time.monotonic() + PROGRESS_EVERY
         self.reclaims = ReclaimWatch()
+        self.reruns = Reruns()
         self.done_history: list[tuple[float, int]] = []
         self.finished = False
         self.stop_requested = False
@@ -325,6 +402,7 @@ class Demo:
         elif self.restart_at is None and now >= self.next_kill:
             self.kill_flaky()
         self.report_reclaims()
+        self.report_reruns()
         if now >= self.next_progress:
             self.next_progress = now + PROGRESS_EVERY
             self.report_progress()
@@ -361,6 +439,10 @@ class Demo:
         for line in self.reclaims.new_lines():
             say(line)
 
+    def report_reruns(self) -> None:
+        for line in self.reruns.new_lines():
+            say(line)
+
     def report_progress(self) -> None:
         from batches.models import BatchCounter
         from engine import fleet
@@ -390,7 +472,15 @@ class Demo:
         )
         if routed := routed_progress():
             say(routed)
-        if not self.finished and c["queued"] == 0 and c["transcribing"] == 0:
+        # A batch that finished since the last tick is re-run first: the demo
+        # is finished once every batch has finished and no re-run is pending.
+        self.report_reruns()
+        if (
+            not self.finished
+            and c["queued"] == 0
+            and c["transcribing"] == 0
+            and self.reruns.settled()
+        ):
             self.finished = True
             say("every item is finished; Recall keeps running until Ctrl-C")
 
@@ -507,6 +597,8 @@ def banner(url: str, password: str) -> None:
             f"  Leases last {LEASE_SECONDS}s. Three simulated workers run 2 jobs "
             f"each; gpu-flaky is SIGKILLed about every {KILL_EVERY:g}s.\n"
             f"  Routing: {routing_sentence()}.\n"
+            f"  Re-run: each batch that finishes with transcripts flagged "
+            f"{RERUN_FLAG} has them re-run once on {pairs(RERUN_REQUIRES)}.\n"
             f"  Logs: var/demo/logs/   Ctrl-C stops everything.\n"
             f"  Operator API: RECALL_URL={url} "
             f"RECALL_API_TOKEN=$(cat var/demo/api_token) \\\n"

@@ -17,7 +17,7 @@ import pytest
 from batches.labels import satisfies
 from batches.models import Batch
 from jobs import transitions
-from jobs.models import Job, Lease, Worker
+from jobs.models import Job, JobRun, Lease, Worker
 from tests.support.factories import make_batch, make_worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +71,8 @@ def test_the_progress_line_says_who_did_the_routed_batchs_jobs():
 def test_the_demo_routes_the_lectures_to_gpu_1_alone(tmp_path):
     """The real demo, small and fast: gunicorn, the cluster and the three
     workers, until every item is finished; then Ctrl-C. Every lease of the
-    routed batch was gpu-1's, and the terminal said so."""
+    routed batch was gpu-1's, and the terminal said so; each batch's short
+    transcripts were re-run once, on gpu-1, and the batch finished again."""
     from harness.server import free_port
 
     env = {
@@ -124,7 +125,51 @@ def test_the_demo_routes_the_lectures_to_gpu_1_alone(tmp_path):
         f"JOIN {Batch._meta.db_table} b ON j.batch_id = b.id WHERE b.name = ?",
         ["Demo: lectures (large-v3 only)"],
     ).fetchall()
+    # The re-run (issue 29): each batch's short transcripts (DEMO_ITEMS=10:
+    # items 3 and 8 of the interviews, item 3 of the others, FLAGGED) re-run
+    # once as run 2, on gpu-1 alone (model=large-v3), and finished again.
+    reruns = database.execute(
+        f"SELECT b.name, COUNT(*) FROM {JobRun._meta.db_table} r "
+        f"JOIN {Job._meta.db_table} j ON r.job_id = j.id "
+        f"JOIN {Batch._meta.db_table} b ON j.batch_id = b.id "
+        f"WHERE r.number = 1 GROUP BY b.name ORDER BY b.name"
+    ).fetchall()
+    second_runs = database.execute(
+        f"SELECT j.run, j.status, j.requires, w.name "
+        f"FROM {Job._meta.db_table} j "
+        f"JOIN {Lease._meta.db_table} l ON l.job_id = j.id "
+        f"JOIN {Worker._meta.db_table} w ON l.worker_id = w.id "
+        f"WHERE j.run = 2 AND l.id > (SELECT r.last_lease_id "
+        f"FROM {JobRun._meta.db_table} r WHERE r.job_id = j.id)"
+    ).fetchall()
+    unfinished = database.execute(
+        f"SELECT COUNT(*) FROM {Batch._meta.db_table} WHERE finished_at IS NULL"
+    ).fetchone()
     database.close()
+    assert reruns == [
+        ("Demo: field interviews", 2),
+        ("Demo: lectures (large-v3 only)", 1),
+        ("Demo: press calls (urgent)", 1),
+    ]
+    assert {(run, requires, name) for run, _, requires, name in second_runs} == {
+        (2, '{"model": "large-v3"}', "gpu-1")
+    }
+    assert {status for _, status, _, _ in second_runs} <= {"completed", "failed"}
+    assert unfinished == (0,)
+    for name, n in (
+        ("Demo: field interviews", 2),
+        ("Demo: lectures (large-v3 only)", 1),
+        ("Demo: press calls (urgent)", 1),
+    ):
+        assert (
+            f"re-run: {name} finished with {n} transcript{'s' * (n != 1)} flagged "
+            f"short; re-running {'them' if n != 1 else 'it'} on the workers "
+            f"offering model=large-v3 (the batch page's Re-run, as demo)\n"
+        ) in terminal_text
+        assert (
+            f"re-run: {name} finished again; each re-run item's page shows "
+            f"its earlier run ({n} item{'s' * (n != 1)})\n"
+        ) in terminal_text
     # Every lecture finished (a simulated failure on its last attempt may
     # fail one), every lease of the batch gpu-1's, most of them completed.
     assert len(statuses) == 5

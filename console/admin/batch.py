@@ -37,10 +37,12 @@ from batches.models import Batch, BatchItem, ItemStatus
 from console.admin.support import (
     BatchFilter,
     BigTableAdmin,
+    any_of,
     changelist_link,
     id_search,
     link_to_id,
     log_change_by_id,
+    transcript_search,
 )
 from console.forms import RequiresField
 from console.live import fragment
@@ -54,6 +56,7 @@ from engine.progress import (
 from jobs import transitions
 from jobs.exceptions import BatchClosed, RerunRefused
 from jobs.models import Event, Job
+from jobs.search import with_transcript
 
 
 class StateFilter(admin.SimpleListFilter):
@@ -356,7 +359,9 @@ class BatchItemAdmin(BigTableAdmin):
     )
     list_select_related = ("batch", "job")
     search_fields = ("source",)
-    search_help_text = "An item id, or part of its source (case matters)."
+    search_help_text = (
+        "An item id, part of its source (case matters), or words of its transcript."
+    )
     fields = (
         "source",
         "status",
@@ -430,7 +435,14 @@ class BatchItemAdmin(BigTableAdmin):
         if by_id is not None:
             return by_id, False
         # A scan of the items: case-sensitive LIKE is three times faster than ILIKE.
-        return queryset.filter(source__contains=term), False
+        by_source = queryset.filter(source__contains=term)
+        search = transcript_search(term)
+        if search is None:
+            return by_source, False
+        # And the words of their transcripts: the batch page's and /search/'s
+        # match (full-text index on PostgreSQL, substrings on SQLite).
+        by_transcript = with_transcript(queryset, search)
+        return any_of(queryset, by_source, by_transcript), False
 
     @admin.display(description="source")
     def source_column(self, item: BatchItem) -> str:

@@ -31,6 +31,7 @@ from console.admin.support import (
     BigTableAdmin,
     Confirmation,
     ReadOnlyInline,
+    any_of,
     changelist_link,
     estimated_rows,
     id_chunks,
@@ -41,10 +42,12 @@ from console.admin.support import (
     log_changes,
     render_confirmation,
     selects_across,
+    transcript_search,
 )
 from engine.sweep import sweep
 from jobs import transitions
 from jobs.models import Event, Job, JobRun, JobStatus, Lease
+from jobs.search import jobs_with_transcript
 
 # --- Filters ------------------------------------------------------------------
 
@@ -171,7 +174,8 @@ class JobAdmin(BigTableAdmin):
     list_select_related = ("item", "batch", "leased_by")
     search_fields = ("item__source",)
     search_help_text = (
-        "A job id, a whole lease token, or part of the item's source (case matters)."
+        "A job id, a whole lease token, part of the item's source (case matters), "
+        "or words of its transcript."
     )
     actions = ("force_reclaim", "requeue_failed", "cancel_queued", "run_reconcile")
     inlines = (RunInline, LeaseInline, EventInline)
@@ -223,9 +227,12 @@ class JobAdmin(BigTableAdmin):
         self, request: HttpRequest, queryset: QuerySet, search_term: str
     ) -> tuple[QuerySet, bool]:
         """A number finds a job by id, a lease token its job (both on unique
-        indexes); anything else is looked for in the items' sources. That is a
-        scan of the items, so it is case-sensitive (LIKE, three times faster than
-        ILIKE here) and only runs when no id or token matched."""
+        indexes); anything else is looked for in the items' sources and in the
+        completed jobs' transcripts. The sources' match is a scan of the items,
+        so it is case-sensitive (LIKE, three times faster than ILIKE here) and
+        only runs when no id or token matched; the transcripts' is the batch
+        page's and /search/'s (``jobs.search``: the full-text index on
+        PostgreSQL, substrings on SQLite)."""
         term = search_term.strip()
         if not term:
             return queryset, False
@@ -237,7 +244,12 @@ class JobAdmin(BigTableAdmin):
         )
         if job_id is not None:
             return queryset.filter(pk=job_id), False
-        return queryset.filter(item__source__contains=term), False
+        by_source = queryset.filter(item__source__contains=term)
+        search = transcript_search(term)
+        if search is None:
+            return by_source, False
+        by_transcript = jobs_with_transcript(queryset, search)
+        return any_of(queryset, by_source, by_transcript), False
 
     # Columns and fields.
 

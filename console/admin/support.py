@@ -2,7 +2,8 @@
 
 The admin lists tables of a million rows and more, and acts on "all N matching"
 selections. What keeps that cheap and safe lives here: a paginator that does not
-count a huge table on every page load, search that stays on indexes, a batch
+count a huge table on every page load, search that stays on indexes (and finds
+transcripts through ``jobs.search``, the batch page's search), a batch
 filter that does not list every batch, confirmation pages for actions, and
 iteration over a selection's ids in short, separate queries.
 """
@@ -30,6 +31,7 @@ from django.utils.html import format_html
 
 from batches.models import Batch
 from batches.numbers import MAX_ID, whole_number
+from jobs.search import BadSearch, Search, parse_search
 
 # Above this many rows (planner's estimate) an unfiltered list shows an estimate
 # instead of running COUNT(*) over the whole table.
@@ -132,6 +134,26 @@ def id_search(queryset: QuerySet, term: str, field: str = "pk") -> QuerySet | No
     if number > MAX_ID:
         return queryset.none()
     return queryset.filter(**{field: number})
+
+
+def transcript_search(term: str) -> Search | None:
+    """The transcript search ``term`` asks for (``jobs.search``), or None when
+    it has no word to look for, or too many: such a term searches the other
+    fields alone."""
+    try:
+        return parse_search(term)
+    except BadSearch:
+        return None
+
+
+def any_of(queryset: QuerySet, *choices: QuerySet) -> QuerySet:
+    """The rows of ``queryset`` that any of ``choices`` (querysets of the same
+    model) selects, as ``pk IN (A UNION B ...)``. Each choice keeps its own
+    plan, the source's scan as before and the transcripts' full-text index;
+    an OR of the two conditions could use neither index, and would compute
+    the text-search vector of every completed job."""
+    ids = [choice.order_by().values("pk") for choice in choices]
+    return queryset.filter(pk__in=ids[0].union(*ids[1:]))
 
 
 class BatchFilter(admin.SimpleListFilter):

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease, Worker
-from tests.support.factories import jobs_of, make_batch, snapshot
+from tests.support.factories import claimed_job, jobs_of, make_batch, snapshot
 
 pytestmark = pytest.mark.django_db
 
@@ -25,12 +25,6 @@ def _error(response, status: int, code: str) -> dict:
     assert body["error"] == code
     assert isinstance(body["detail"], str) and body["detail"]
     return body
-
-
-def _claimed(api) -> dict:
-    response = api.claim()
-    assert response.status_code == 200, response.content
-    return response.json()["job"]
 
 
 # --- Happy paths and shapes -----------------------------------------------------------
@@ -75,7 +69,7 @@ def test_claim_passes_the_params_from_the_manifest(api):
     lines = ["source,duration_seconds,language\n", "s3://b/a.wav,12.5,de\n"]
     create_batch("csv", lambda: iter(lines))
 
-    item = _claimed(api)["item"]
+    item = claimed_job(api)["item"]
     assert (item["params"], item["duration_seconds"]) == ({"language": "de"}, 12.5)
 
 
@@ -104,7 +98,7 @@ def test_a_body_of_whitespace_alone_is_not_json(api):
 
 def test_heartbeat_complete_fail_release_shapes(api):
     make_batch(4)
-    first = _claimed(api)
+    first = claimed_job(api)
 
     response = api.heartbeat(first["id"], first["lease_token"])
     assert response.status_code == 200
@@ -116,22 +110,22 @@ def test_heartbeat_complete_fail_release_shapes(api):
     )
     assert (response.status_code, response.json()) == (200, {"status": "completed"})
 
-    second = _claimed(api)
+    second = claimed_job(api)
     response = api.fail(second["id"], second["lease_token"], "oom", retryable=True)
     assert (response.status_code, response.json()) == (200, {"status": "queued"})
 
-    third = _claimed(api)
+    third = claimed_job(api)
     response = api.fail(third["id"], third["lease_token"], "bad file", retryable=False)
     assert (response.status_code, response.json()) == (200, {"status": "failed"})
 
-    fourth = _claimed(api)
+    fourth = claimed_job(api)
     response = api.release(fourth["id"], fourth["lease_token"])
     assert (response.status_code, response.json()) == (200, {"status": "queued"})
 
 
 def test_fail_is_retryable_by_default(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     response = api.post(
         f"/api/v1/jobs/{job['id']}/fail",
@@ -143,7 +137,7 @@ def test_fail_is_retryable_by_default(api):
 
 def test_replayed_complete_is_200_again(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     assert api.complete(job["id"], job["lease_token"]).status_code == 200
 
     response = api.complete(job["id"], job["lease_token"])
@@ -162,9 +156,9 @@ def test_every_call_updates_last_seen(api, worker):
 
 def test_stale_worker_is_fenced_after_reclaim(api, other_api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     Job.objects.filter(pk=job["id"]).update(lease_expires_at=timezone.now())
-    fresh = _claimed(other_api)  # reclaims the expired lease first
+    fresh = claimed_job(other_api)  # reclaims the expired lease first
     assert fresh["id"] == job["id"]
     before = snapshot(Job.objects.get(pk=job["id"]))
 
@@ -181,7 +175,7 @@ def test_stale_worker_is_fenced_after_reclaim(api, other_api):
 
 def test_another_workers_job_is_409(api, other_api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     for response in (
         other_api.heartbeat(job["id"], job["lease_token"]),
@@ -195,7 +189,7 @@ def test_another_workers_job_is_409(api, other_api):
 
 def test_a_wrong_token_is_409(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     _error(api.heartbeat(job["id"], "not-my-token"), 409, "lease_lost")
 
@@ -351,7 +345,7 @@ def test_unknown_job_is_404(job_id, api):
 )
 def test_malformed_bodies_are_400(raw, detail, api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     body = _error(
         api.post(f"/api/v1/jobs/{job['id']}/heartbeat", raw=raw), 400, "bad_request"
@@ -397,7 +391,7 @@ def test_claim_with_a_non_object_body_is_400(api):
 )  # fmt: skip
 def test_ill_typed_fields_are_400_and_change_nothing(endpoint, body, detail, api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     before = snapshot(Job.objects.get(pk=job["id"]))
 
     response = api.post(f"/api/v1/jobs/{job['id']}/{endpoint}", body)
@@ -409,7 +403,7 @@ def test_ill_typed_fields_are_400_and_change_nothing(endpoint, body, detail, api
 def test_a_body_over_the_limit_is_413(api, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     big = {"lease_token": job["lease_token"], "result": {"text": "x" * 2000}}
 
     _error(
@@ -420,7 +414,7 @@ def test_a_body_over_the_limit_is_413(api, settings):
 
 def test_the_default_limit_takes_a_long_transcript_with_segments(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     segments = [
         {"start": i * 2.0, "end": i * 2.0 + 1.9, "text": "word " * 20}
         for i in range(40_000)
@@ -437,7 +431,7 @@ def test_the_default_limit_takes_a_long_transcript_with_segments(api):
 
 def test_a_long_error_is_accepted_and_truncated(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     response = api.fail(job["id"], job["lease_token"], "E" * 50_000, retryable=False)
 
@@ -447,7 +441,7 @@ def test_a_long_error_is_accepted_and_truncated(api):
 
 def test_unknown_fields_are_ignored(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     response = api.post(
         f"/api/v1/jobs/{job['id']}/heartbeat",

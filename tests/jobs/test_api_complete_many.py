@@ -9,8 +9,11 @@ from django.test import Client
 from jobs import transitions
 from jobs.models import Job, JobStatus
 from tests.support.factories import (
+    NO_SUCH_JOB,
     WorkerClient,
     assert_consistent,
+    bad_request_detail,
+    claimed_job,
     finished_events,
     later,
     make_batch,
@@ -21,28 +24,14 @@ from tests.support.threads import run_threads
 
 pytestmark = pytest.mark.django_db
 
-X = 10**12  # a job id no test reaches
+X = NO_SUCH_JOB  # short, for the tables of bad calls
 OK = {"text": "ok"}
-
-
-def _claimed(api) -> dict:
-    response = api.claim()
-    assert response.status_code == 200, response.content
-    return response.json()["job"]
-
-
-def _bad_request(response) -> str:
-    assert response.status_code == 400, response.content
-    assert response["Content-Type"] == "application/json"
-    body = response.json()
-    assert set(body) == {"error", "detail"} and body["error"] == "bad_request"
-    return body["detail"]
 
 
 def test_completed_replayed_lost_and_unknown_in_one_call(api, other_api):
     make_batch(8)
-    mine, wrong, replayed, released = (_claimed(api) for _ in range(4))
-    theirs = _claimed(other_api)
+    mine, wrong, replayed, released = (claimed_job(api) for _ in range(4))
+    theirs = claimed_job(other_api)
     assert api.complete(replayed["id"], replayed["lease_token"]).status_code == 200
     assert api.release(released["id"], released["lease_token"]).status_code == 200
 
@@ -93,7 +82,7 @@ def test_each_answer_is_what_the_single_completion_answers(api, other_api):
 
     def world(name: str) -> list[tuple[int, str, dict]]:
         batch = make_batch(6, name=name)
-        jobs = [_claimed(api) for _ in range(3)] + [_claimed(other_api)]
+        jobs = [claimed_job(api) for _ in range(3)] + [claimed_job(other_api)]
         api.complete(jobs[1]["id"], jobs[1]["lease_token"])
         transitions.pause_batch(batch)
         return [(j["id"], j["lease_token"], OK) for j in jobs] + [(X, "t", OK)]
@@ -123,7 +112,7 @@ def test_each_answer_is_what_the_single_completion_answers(api, other_api):
 
 def test_replaying_the_call_answers_the_same_and_changes_nothing(api):
     batch = make_batch(3)
-    jobs = [_claimed(api) for _ in range(3)]
+    jobs = [claimed_job(api) for _ in range(3)]
     asked = [(j["id"], j["lease_token"], {"text": f"t{n}"}) for n, j in enumerate(jobs)]
     first = api.complete_many(asked)
     after = snapshot(*Job.objects.filter(batch=batch))
@@ -177,7 +166,7 @@ def test_replaying_the_call_answers_the_same_and_changes_nothing(api):
 )  # fmt: skip
 def test_every_malformed_call_is_400_and_completes_nothing(body, detail, api):
     make_batch(2)
-    job = _claimed(api)
+    job = claimed_job(api)
     before = snapshot(Job.objects.get(pk=job["id"]))
     good = {"job_id": job["id"], "lease_token": job["lease_token"], "result": OK}
     if (
@@ -191,7 +180,7 @@ def test_every_malformed_call_is_400_and_completes_nothing(body, detail, api):
             "results[2]", "results[3]"
         )
 
-    assert detail in _bad_request(api.post("/api/v1/complete", body))
+    assert detail in bad_request_detail(api.post("/api/v1/complete", body))
     assert snapshot(Job.objects.get(pk=job["id"])) == before
 
 
@@ -200,13 +189,13 @@ def test_every_malformed_call_is_400_and_completes_nothing(body, detail, api):
     [b"{", b"[]", b'{"results": NaN}', b"\xff", b'{"results": [{"job_id": 1e400}]}'],
 )
 def test_a_body_that_is_not_a_json_object_is_400(raw, api):
-    _bad_request(api.post("/api/v1/complete", raw=raw))
+    bad_request_detail(api.post("/api/v1/complete", raw=raw))
 
 
 def test_a_body_over_the_limit_is_413_as_for_the_single_completion(api, settings):
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     big = {"text": "x" * 2000}
 
     many = api.complete_many([(job["id"], job["lease_token"], big)])
@@ -220,7 +209,7 @@ def test_a_body_over_the_limit_is_413_as_for_the_single_completion(api, settings
 def test_the_first_of_64_completions_and_the_64th_are_made(api, settings):
     settings.RECALL_MAX_LEASES_PER_WORKER = 64
     batch = make_batch(64)
-    jobs = [_claimed(api) for _ in range(64)]
+    jobs = [claimed_job(api) for _ in range(64)]
 
     response = api.complete_many([(j["id"], j["lease_token"], OK) for j in jobs])
 
@@ -233,7 +222,7 @@ def test_the_first_of_64_completions_and_the_64th_are_made(api, settings):
 
 def test_unknown_top_level_fields_are_ignored(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     response = api.post(
         "/api/v1/complete",
@@ -258,7 +247,7 @@ def test_authentication_method_and_rate_as_every_worker_call(api, settings):
     settings.RECALL_WORKER_RATE_PER_SECOND = 0.5
     settings.RECALL_WORKER_RATE_BURST = 1
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     refused = api.complete_many([(job["id"], job["lease_token"], OK)])
     assert refused.status_code == 429
     assert refused.json()["error"] == "rate_limited"
@@ -267,7 +256,7 @@ def test_authentication_method_and_rate_as_every_worker_call(api, settings):
 
 def test_a_disabled_worker_is_refused(api, worker):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     transitions.set_worker_active(worker, False)
 
     response = api.complete_many([(job["id"], job["lease_token"], OK)])

@@ -10,31 +10,25 @@ from django.test import Client
 
 from jobs import transitions
 from jobs.models import Job, Lease
-from tests.support.factories import WorkerClient, make_batch, make_worker, snapshot
+from tests.support.factories import (
+    NO_SUCH_JOB,
+    WorkerClient,
+    bad_request_detail,
+    claimed_job,
+    make_batch,
+    make_worker,
+    snapshot,
+)
 
 pytestmark = pytest.mark.django_db
 
-X = 10**12  # a job id no test reaches
-
-
-def _claimed(api) -> dict:
-    response = api.claim()
-    assert response.status_code == 200, response.content
-    return response.json()["job"]
-
-
-def _bad_request(response) -> str:
-    assert response.status_code == 400, response.content
-    assert response["Content-Type"] == "application/json"
-    body = response.json()
-    assert set(body) == {"error", "detail"} and body["error"] == "bad_request"
-    return body["detail"]
+X = NO_SUCH_JOB  # short, for the tables of bad calls
 
 
 def test_renewed_lost_and_unknown_leases_in_one_call(api, other_api):
     make_batch(5)
-    mine, wrong, done, released = (_claimed(api) for _ in range(4))
-    theirs = _claimed(other_api)
+    mine, wrong, done, released = (claimed_job(api) for _ in range(4))
+    theirs = claimed_job(other_api)
     api.complete(done["id"], done["lease_token"])
     api.release(released["id"], released["lease_token"])
     untouched = snapshot(*Job.objects.filter(pk__in=[theirs["id"], wrong["id"]]))
@@ -79,7 +73,7 @@ def test_renewed_lost_and_unknown_leases_in_one_call(api, other_api):
 
 def test_answers_in_the_single_heartbeats_format(api):
     make_batch(2)
-    jobs = [_claimed(api) for _ in range(2)]
+    jobs = [claimed_job(api) for _ in range(2)]
 
     single = api.heartbeat(jobs[0]["id"], jobs[0]["lease_token"]).json()
     batched = api.heartbeat_many([(j["id"], j["lease_token"]) for j in jobs]).json()
@@ -128,7 +122,7 @@ def test_answers_in_the_single_heartbeats_format(api):
 )  # fmt: skip
 def test_every_malformed_call_is_400_and_renews_nothing(body, detail, api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     before = snapshot(Job.objects.get(pk=job["id"]))
     good = {"job_id": job["id"], "lease_token": job["lease_token"]}
     if (
@@ -141,7 +135,7 @@ def test_every_malformed_call_is_400_and_renews_nothing(body, detail, api):
             "leases[2]", "leases[3]"
         )
 
-    assert detail in _bad_request(api.post("/api/v1/heartbeat", body))
+    assert detail in bad_request_detail(api.post("/api/v1/heartbeat", body))
     assert snapshot(Job.objects.get(pk=job["id"])) == before
 
 
@@ -150,13 +144,13 @@ def test_every_malformed_call_is_400_and_renews_nothing(body, detail, api):
     [b"{", b"[]", b'{"leases": NaN}', b"\xff", b'{"leases": [{"job_id": 1e400}]}'],
 )
 def test_a_body_that_is_not_a_json_object_is_400(raw, api):
-    _bad_request(api.post("/api/v1/heartbeat", raw=raw))
+    bad_request_detail(api.post("/api/v1/heartbeat", raw=raw))
 
 
 def test_the_first_of_64_leases_and_the_64th_are_renewed(api, settings):
     settings.RECALL_MAX_LEASES_PER_WORKER = 64
     make_batch(64)
-    jobs = [_claimed(api) for _ in range(64)]
+    jobs = [claimed_job(api) for _ in range(64)]
 
     response = api.heartbeat_many([(j["id"], j["lease_token"]) for j in jobs])
 
@@ -168,7 +162,7 @@ def test_the_first_of_64_leases_and_the_64th_are_renewed(api, settings):
 
 def test_unknown_top_level_fields_are_ignored(api):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
 
     response = api.post(
         "/api/v1/heartbeat",
@@ -188,7 +182,7 @@ def test_authentication_method_and_rate_as_every_worker_call(api, settings):
     settings.RECALL_WORKER_RATE_PER_SECOND = 0.5
     settings.RECALL_WORKER_RATE_BURST = 1
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     refused = api.heartbeat_many([(job["id"], job["lease_token"])])
     assert refused.status_code == 429
     assert refused.json()["error"] == "rate_limited"
@@ -197,7 +191,7 @@ def test_authentication_method_and_rate_as_every_worker_call(api, settings):
 
 def test_a_disabled_worker_is_refused(api, worker):
     make_batch(1)
-    job = _claimed(api)
+    job = claimed_job(api)
     transitions.set_worker_active(worker, False)
 
     response = api.heartbeat_many([(job["id"], job["lease_token"])])

@@ -29,6 +29,7 @@ from tests.support.factories import (
     assert_consistent,
     failpoint,
     finished_events,
+    item_ids,
     jobs_of,
     later,
     make_batch,
@@ -71,14 +72,6 @@ def counts(batch: Batch) -> dict[str, int]:
     return {k: v for k, v in batch.counts().items() if not k.endswith("_ms")}
 
 
-def items_of(batch: Batch) -> list[int]:
-    return list(
-        BatchItem.objects.filter(batch=batch)
-        .order_by("pk")
-        .values_list("pk", flat=True)
-    )
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_rerun_queues_done_and_failed_items_as_a_new_run(settings, backend):
     settings.RECALL_TRANSITIONS_BACKEND = backend
@@ -90,7 +83,7 @@ def test_a_rerun_queues_done_and_failed_items_as_a_new_run(settings, backend):
     finish_all(batch, worker, texts=["", "hello", "x"], fail_last=True)
     batch.refresh_from_db()
     assert batch.finished_at is not None and batch.finishes == 1
-    first, _, third = items_of(batch)
+    first, _, third = item_ids(batch)
     before = counts(batch)
     assert before["done"] == 2 and before["failed"] == 1
     assert (before["flag_empty"], before["flag_short"]) == (1, 2)
@@ -226,7 +219,7 @@ def test_a_cancelled_batch_and_a_clashing_requirement_are_refused():
     worker = make_worker()
     finish_all(batch, worker)
     Batch.objects.filter(pk=batch.pk).update(requires={"model": "small"})
-    item = items_of(batch)[0]
+    item = item_ids(batch)[0]
     with pytest.raises(LabelError, match="the batch requires model=small"):
         transitions.rerun(batch, items=[item], requires=LARGE)
     assert transitions.rerun(batch, items=[item], requires={"model": "small"}) == 1
@@ -242,7 +235,7 @@ def test_a_rerun_that_fails_part_way_writes_nothing():
     everything = snapshot(*jobs_of(batch))
 
     with failpoint("batches_batch"), pytest.raises(DatabaseError):
-        transitions.rerun(batch, items=items_of(batch), requires=LARGE, now=later(1))
+        transitions.rerun(batch, items=item_ids(batch), requires=LARGE, now=later(1))
 
     assert snapshot(*jobs_of(batch)) == everything
     assert not JobRun.objects.exists()
@@ -255,7 +248,7 @@ def test_a_batch_whose_only_work_needs_labels_hides_no_other_batch(settings, bac
     first = make_batch(2, name="first", priority=9)
     worker = make_worker("plain")
     finish_all(first, worker)
-    transitions.rerun(first, items=items_of(first), requires=LARGE, now=later(1))
+    transitions.rerun(first, items=item_ids(first), requires=LARGE, now=later(1))
     second = make_batch(1, name="second", priority=0)
 
     # The higher-priority batch has claimable work, all of it needing
@@ -281,7 +274,7 @@ def test_claim_many_and_a_capped_batch_respect_the_rerun_requirement(settings, b
     worker = make_worker("plain")
     finish_all(batch, worker)
     Batch.objects.filter(pk=batch.pk).update(max_in_flight=2)  # the ORM's path
-    first, second, third = items_of(batch)
+    first, second, third = item_ids(batch)
     transitions.rerun(batch, items=[first], requires=LARGE, now=later(1))
     transitions.rerun(batch, items=[second, third], now=later(1))
 
@@ -303,7 +296,7 @@ def test_reclaim_and_release_keep_the_rerun_requirement_cancel_clears_it(
     batch = make_batch(3)
     worker = make_worker("plain")
     finish_all(batch, worker)
-    first, second, third = items_of(batch)
+    first, second, third = item_ids(batch)
     transitions.rerun(batch, items=[first, second, third], requires=LARGE, now=T0)
     big = make_worker("big")
 
@@ -345,7 +338,7 @@ def test_a_rerun_run_fails_for_good_after_its_own_attempts(settings):
         Job.objects.filter(pk=job.pk).update(available_at=T0)
     assert Job.objects.get(pk=job.pk).status == JobStatus.FAILED
 
-    transitions.rerun(batch, items=items_of(batch), now=later(1))
+    transitions.rerun(batch, items=item_ids(batch), now=later(1))
 
     job = transitions.claim_next(worker, now=later(2))
     assert job is not None and job.attempts == 1
@@ -358,7 +351,7 @@ def test_the_long_poll_probe_names_each_job_its_full_requirement():
     worker = make_worker()
     finish_all(batch, worker)
     Batch.objects.filter(pk=batch.pk).update(requires={"gpu": "a100"})
-    first, second = items_of(batch)
+    first, second = item_ids(batch)
     transitions.rerun(batch, items=[first], requires=LARGE, now=T0)
 
     found, requires = claimable_work(10, now=later(1))
@@ -374,7 +367,7 @@ def test_a_purge_deletes_the_earlier_runs_with_their_jobs():
     batch = make_batch(2)
     worker = make_worker()
     finish_all(batch, worker)
-    transitions.rerun(batch, items=items_of(batch), now=later(1))
+    transitions.rerun(batch, items=item_ids(batch), now=later(1))
     finish_all(batch, worker, now=later(2))
     assert JobRun.objects.count() == 2
 

@@ -4,16 +4,17 @@ and every refusal, each writing nothing."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Permission
 
-from batches.models import Batch, BatchItem
+from batches.models import Batch
 from jobs import transitions
 from jobs.models import Event, Job, JobRun
 from tests.support.clients import ApiClient, token_for
 from tests.support.factories import (
+    finished_batch,
+    item_ids,
     jobs_of,
     make_batch,
-    make_user,
+    make_changer,
     make_worker,
     snapshot,
 )
@@ -24,13 +25,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def changer(db):
     """An operator who may also change batches (``batches.change_batch``)."""
-    user = make_user("changer", "Operators")
-    user.user_permissions.add(
-        Permission.objects.get(
-            content_type__app_label="batches", codename="change_batch"
-        )
-    )
-    return user
+    return make_changer()
 
 
 @pytest.fixture
@@ -38,33 +33,13 @@ def changer_api(changer) -> ApiClient:
     return ApiClient(token_for(changer))
 
 
-def finished(n: int = 3, *, durations=None) -> Batch:
-    """A batch whose items are all done ("hello": short for 60 s of audio)."""
-    batch = make_batch(n) if durations is None else make_batch(durations=durations)
-    worker = make_worker(f"w-{batch.pk}")
-    for _ in range(len(jobs_of(batch))):
-        job = transitions.claim_next(worker)
-        transitions.complete(
-            job, job.lease_token, worker=worker, result={"text": "hello"}
-        )
-    return batch
-
-
-def items_of(batch: Batch) -> list[int]:
-    return list(
-        BatchItem.objects.filter(batch=batch)
-        .order_by("pk")
-        .values_list("pk", flat=True)
-    )
-
-
 def rerun(api: ApiClient, batch_id: int, body, **kwargs):
     return api.post(f"/api/v1/batches/{batch_id}/rerun", body, **kwargs)
 
 
 def test_rerun_chosen_items_answers_how_many(changer_api, changer):
-    batch = finished(3)
-    first, second, _ = items_of(batch)
+    batch = finished_batch(3)
+    first, second, _ = item_ids(batch)
 
     response = rerun(
         changer_api,
@@ -89,7 +64,7 @@ def test_rerun_chosen_items_answers_how_many(changer_api, changer):
 
 
 def test_rerun_by_flag(changer_api):
-    batch = finished(durations=[60.0, 60.0, 5.0])  # two short, one too brief
+    batch = finished_batch(durations=[60.0, 60.0, 5.0])  # two short, one too brief
 
     response = rerun(changer_api, batch.pk, {"flag": "short"})
 
@@ -101,8 +76,8 @@ def test_rerun_by_flag(changer_api):
 
 
 def test_who_may_rerun(changer_api, operator_api, viewer_api, stranger_api):
-    batch = finished(1)
-    body = {"items": items_of(batch)}
+    batch = finished_batch(1)
+    body = {"items": item_ids(batch)}
     for api in (operator_api, viewer_api, stranger_api):
         response = rerun(api, batch.pk, body)
         assert response.status_code == 403
@@ -135,7 +110,7 @@ def test_who_may_rerun(changer_api, operator_api, viewer_api, stranger_api):
     ],
 )
 def test_bad_requests_are_400_and_write_nothing(changer_api, body, detail):
-    batch = finished(2)
+    batch = finished_batch(2)
     everything = snapshot(*jobs_of(batch))
 
     response = rerun(changer_api, batch.pk, body)
@@ -147,11 +122,11 @@ def test_bad_requests_are_400_and_write_nothing(changer_api, body, detail):
 
 
 def test_a_requirement_that_clashes_with_the_batch_is_400(changer_api):
-    batch = finished(1)
+    batch = finished_batch(1)
     Batch.objects.filter(pk=batch.pk).update(requires={"model": "small"})
 
     response = rerun(
-        changer_api, batch.pk, {"items": items_of(batch), "requires": {"model": "big"}}
+        changer_api, batch.pk, {"items": item_ids(batch), "requires": {"model": "big"}}
     )
 
     assert response.status_code == 400
@@ -160,11 +135,11 @@ def test_a_requirement_that_clashes_with_the_batch_is_400(changer_api):
 
 
 def test_unknown_batch_and_foreign_items_are_404(changer_api):
-    batch, other = finished(1), make_batch(1, name="other")
+    batch, other = finished_batch(1), make_batch(1, name="other")
     assert rerun(changer_api, 10**9, {"flag": "short"}).status_code == 404
-    foreign = items_of(other)[0]
+    foreign = item_ids(other)[0]
 
-    response = rerun(changer_api, batch.pk, {"items": [*items_of(batch), foreign]})
+    response = rerun(changer_api, batch.pk, {"items": [*item_ids(batch), foreign]})
 
     assert response.status_code == 404
     body = response.json()
@@ -183,7 +158,7 @@ def test_items_still_queued_or_in_flight_are_409_and_nothing_reruns(changer_api)
     transitions.complete(done, done.lease_token, worker=worker, result={"text": "a"})
     leased = transitions.claim_next(worker)
     everything = snapshot(*jobs_of(batch))
-    first, second, third = items_of(batch)
+    first, second, third = item_ids(batch)
 
     response = rerun(changer_api, batch.pk, {"items": [first, second, third]})
 
@@ -198,10 +173,10 @@ def test_items_still_queued_or_in_flight_are_409_and_nothing_reruns(changer_api)
 
 
 def test_a_cancelled_batch_is_409(changer_api):
-    batch = finished(1)
+    batch = finished_batch(1)
     transitions.cancel_batch(batch)
 
-    response = rerun(changer_api, batch.pk, {"items": items_of(batch)})
+    response = rerun(changer_api, batch.pk, {"items": item_ids(batch)})
 
     assert response.status_code == 409
     assert response.json()["error"] == "invalid_transition"

@@ -18,6 +18,20 @@ def client_for(user) -> Client:
     return client
 
 
+def changer_client(name: str = "changer", *groups: str) -> tuple[Client, object]:
+    """A client logged in as a user who may also change batches
+    (``factories.make_changer``), and the user."""
+    from tests.support.factories import make_changer
+
+    user = make_changer(name, *groups)
+    return client_for(user), user
+
+
+def page_messages(response) -> list[str]:
+    """The messages a rendered page shows (none when nothing was rendered)."""
+    return [str(m) for m in response.context["messages"]] if response.context else []
+
+
 class ApiClient:
     def __init__(self, token: str | None):
         self.token = token

@@ -182,6 +182,26 @@ class WorkerClient:
         return self.post(f"/api/v1/jobs/{job_id}/release", {"lease_token": token})
 
 
+# A job id no test reaches (the batched worker calls' refusals name it).
+NO_SUCH_JOB = 10**12
+
+
+def claimed_job(api: WorkerClient) -> dict:
+    """A job claimed through the worker API (``POST /api/v1/claim``: 200)."""
+    response = api.claim()
+    assert response.status_code == 200, response.content
+    return response.json()["job"]
+
+
+def bad_request_detail(response) -> str:
+    """The ``detail`` of a worker API 400 (``{"error": "bad_request", ...}``)."""
+    assert response.status_code == 400, response.content
+    assert response["Content-Type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"error", "detail"} and body["error"] == "bad_request"
+    return body["detail"]
+
+
 def _json(body) -> bytes:
     return json.dumps(body).encode()
 
@@ -226,6 +246,46 @@ def make_endpoint(
     )
     endpoint.secret = secret
     return endpoint
+
+
+def finished_batch(
+    n: int = 3,
+    *,
+    durations: list[float | None] | None = None,
+    text: str = "hello",
+) -> Batch:
+    """A finished batch of ``n`` items (one per duration with ``durations``),
+    each done with the transcript ``text`` by a worker of its own ("hello",
+    one word, is short for a minute of audio): a re-run's starting point."""
+    batch = make_batch(n) if durations is None else make_batch(durations=durations)
+    worker = make_worker(f"w-{batch.pk}")
+    for _ in range(len(jobs_of(batch))):
+        job = transitions.claim_next(worker)
+        transitions.complete(job, job.lease_token, worker=worker, result={"text": text})
+    return batch
+
+
+def item_ids(batch: Batch) -> list[int]:
+    """The batch's item ids, in order."""
+    return list(
+        BatchItem.objects.filter(batch=batch)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+
+
+def make_changer(name: str = "changer", *groups: str):
+    """A user in ``groups`` (Operators by default) who may also change
+    batches (``batches.change_batch``: re-run, requirements)."""
+    from django.contrib.auth.models import Permission
+
+    user = make_user(name, *(groups or ("Operators",)))
+    user.user_permissions.add(
+        Permission.objects.get(
+            content_type__app_label="batches", codename="change_batch"
+        )
+    )
+    return user
 
 
 def finished_events(batch: Batch) -> list:

@@ -12,14 +12,10 @@ from django.utils import timezone
 from batches.models import Batch, BatchItem
 from jobs import transitions
 from jobs.models import Event, Job, Lease, LeaseEnd
-from tests.support.clients import client_for
+from tests.support.clients import client_for, page_messages
 from tests.support.factories import assert_consistent, claim, make_batch, make_worker
 
 pytestmark = pytest.mark.django_db
-
-
-def _messages(response) -> list[str]:
-    return [str(m) for m in response.context["messages"]] if response.context else []
 
 
 def test_pause_and_resume(operator_client, operator, worker):
@@ -30,7 +26,7 @@ def test_pause_and_resume(operator_client, operator, worker):
     )
 
     assert response.redirect_chain == [(f"/batches/{batch.pk}/?state=queued", 302)]
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Paused: no new work is handed out; leases in flight finish."
     ]
     batch.refresh_from_db()
@@ -41,7 +37,7 @@ def test_pause_and_resume(operator_client, operator, worker):
 
     response = operator_client.post(f"/batches/{batch.pk}/resume", follow=True)
 
-    assert _messages(response) == ["Resumed."]
+    assert page_messages(response) == ["Resumed."]
     assert Batch.objects.get(pk=batch.pk).paused_at is None
     assert claim(worker, now=timezone.now()).batch_id == batch.pk
     assert (
@@ -59,7 +55,7 @@ def test_cancel_ends_queued_and_in_flight_items_atomically(
 
     response = operator_client.post(f"/batches/{batch.pk}/cancel", follow=True)
 
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Cancelled: 3 queued or in-flight item(s) cancelled. Finished items keep their results."
     ]
     counts = Batch.objects.get(pk=batch.pk).counts()
@@ -95,14 +91,14 @@ def test_retry_all_failed_or_those_matching_the_search(
         f"/batches/{batch.pk}/retry", {"q": "batch-1"}, follow=True
     )
 
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Queued 1 failed item(s) matching “batch-1” again, with fresh attempts."
     ]
     assert batch.counts()["failed"] == 3
 
     response = operator_client.post(f"/batches/{batch.pk}/retry", follow=True)
 
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Queued 3 failed item(s) again, with fresh attempts."
     ]
     assert batch.counts()["failed"] == 0
@@ -120,7 +116,7 @@ def test_cancelled_batch_cannot_be_retried(operator_client, worker):
 
     response = operator_client.post(f"/batches/{batch.pk}/retry", follow=True)
 
-    assert _messages(response)[-1] == "A cancelled batch cannot be retried."
+    assert page_messages(response)[-1] == "A cancelled batch cannot be retried."
     assert batch.counts()["failed"] == 1
 
 
@@ -398,7 +394,7 @@ def test_a_cancel_cut_short_by_its_time_limit_is_finished_by_reconciliation(
 
     response = client.post(f"/batches/{batch.pk}/cancel", follow=True)
 
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Cancelled: 0 queued or in-flight item(s) cancelled. Finished items keep their "
         "results. The other 12 are being cancelled in the background."
     ]
@@ -418,7 +414,7 @@ def test_an_operator_changes_the_share_and_it_is_an_event(operator_client, opera
     )
 
     assert response.redirect_chain == [(f"/batches/{batch.pk}/?q=a", 302)]
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Changed priority 0 -> 2, weight 1 -> 3, max in flight unlimited -> 4; the "
         "next claim follows it."
     ]
@@ -468,7 +464,7 @@ def test_a_bad_share_changes_nothing(operator_client, data, message):
 
     response = operator_client.post(f"/batches/{batch.pk}/share", data, follow=True)
 
-    assert _messages(response) == [message]
+    assert page_messages(response) == [message]
     batch.refresh_from_db()
     assert (batch.priority, batch.weight, batch.max_in_flight) == (0, 1, None)
     assert not Event.objects.filter(kind=Event.Kind.BATCH_CHANGED).exists()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth.models import Permission
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
@@ -19,27 +18,12 @@ from engine.background_intake import run_intake
 from engine.manifests import create_batch
 from jobs import transitions
 from jobs.models import Event, Worker
-from tests.support.clients import client_for
-from tests.support.factories import make_batch, make_user
+from tests.support.clients import changer_client, page_messages
+from tests.support.factories import make_batch
 
 pytestmark = pytest.mark.django_db
 
 WAITING = "Waiting for a worker with model=large-v3"
-
-
-def _messages(response) -> list[str]:
-    return [str(m) for m in response.context["messages"]] if response.context else []
-
-
-def _changer(name: str = "changer"):
-    """An operator who may also change batches (``batches.change_batch``)."""
-    user = make_user(name, "Operators")
-    user.user_permissions.add(
-        Permission.objects.get(
-            content_type__app_label="batches", codename="change_batch"
-        )
-    )
-    return client_for(user), user
 
 
 def _routed(requires: dict, name: str = "routed") -> Batch:
@@ -135,7 +119,7 @@ def test_a_background_intake_keeps_the_requirements(operator_client, settings):
 
 
 def test_a_user_with_the_change_permission_edits_them(settings):
-    client, user = _changer()
+    client, user = changer_client()
     batch = make_batch(2)
 
     page = client.get(f"/batches/{batch.pk}/").content.decode()
@@ -147,7 +131,7 @@ def test_a_user_with_the_change_permission_edits_them(settings):
     )
 
     assert response.redirect_chain == [(f"/batches/{batch.pk}/?state=queued", 302)]
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Changed requires nothing -> gpu=a100, model=large-v3; the next claim "
         "follows it."
     ]
@@ -164,32 +148,32 @@ def test_a_user_with_the_change_permission_edits_them(settings):
     response = client.post(
         f"/batches/{batch.pk}/requires", {"requires": ""}, follow=True
     )
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Changed requires gpu=a100, model=large-v3 -> nothing; the next claim "
         "follows it."
     ]
     response = client.post(
         f"/batches/{batch.pk}/requires", {"requires": ""}, follow=True
     )
-    assert _messages(response) == ["Nothing to change."]
+    assert page_messages(response) == ["Nothing to change."]
 
 
 def test_bad_requirements_change_nothing_and_say_why():
-    client, _ = _changer()
+    client, _ = changer_client()
     batch = make_batch(1)
 
     response = client.post(
         f"/batches/{batch.pk}/requires", {"requires": "model"}, follow=True
     )
 
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Nothing was changed. requires: 'model' is not KEY=VALUE"
     ]
     assert Batch.objects.get(pk=batch.pk).requires == {}
 
 
 def test_a_closed_batch_refuses_the_change(worker):
-    client, _ = _changer()
+    client, _ = changer_client()
     batch = make_batch(1)
     transitions.cancel_batch(batch)
 
@@ -199,7 +183,7 @@ def test_a_closed_batch_refuses_the_change(worker):
         f"/batches/{batch.pk}/requires", {"requires": "gpu=a100"}, follow=True
     )
 
-    assert _messages(response) == [
+    assert page_messages(response) == [
         f"Nothing was changed. Batch {batch.pk} is cancelled: its requirements "
         f"can be changed only while it is open."
     ]
@@ -221,7 +205,7 @@ def test_without_the_change_permission_there_is_no_control_and_a_403(
 
 
 def test_the_change_is_post_only():
-    client, _ = _changer()
+    client, _ = changer_client()
     batch = make_batch(1)
     assert client.get(f"/batches/{batch.pk}/requires").status_code == 405
 

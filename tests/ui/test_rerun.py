@@ -10,68 +10,43 @@ import re
 import pytest
 from django.contrib.auth.models import Permission
 
-from batches.models import Batch, BatchItem
 from jobs import transitions
 from jobs.models import Event, Job, JobRun
-from tests.support.clients import client_for
-from tests.support.factories import jobs_of, make_batch, make_user, make_worker
+from tests.support.clients import changer_client, client_for, page_messages
+from tests.support.factories import (
+    finished_batch,
+    item_ids,
+    make_batch,
+    make_user,
+    make_worker,
+)
 
 pytestmark = pytest.mark.django_db
 
 
-def _messages(response) -> list[str]:
-    return [str(m) for m in response.context["messages"]] if response.context else []
-
-
-def _changer(name: str = "changer", *groups: str):
-    user = make_user(name, *(groups or ("Operators",)))
-    user.user_permissions.add(
-        Permission.objects.get(
-            content_type__app_label="batches", codename="change_batch"
-        )
-    )
-    return client_for(user), user
-
-
-def _finished(durations=(60.0, 60.0, 60.0)) -> Batch:
-    batch = make_batch(durations=list(durations))
-    worker = make_worker(f"w-{batch.pk}")
-    for _ in jobs_of(batch):
-        job = transitions.claim_next(worker)
-        transitions.complete(
-            job, job.lease_token, worker=worker, result={"text": "first words"}
-        )
-    return batch
-
-
-def _items(batch: Batch) -> list[int]:
-    return list(
-        BatchItem.objects.filter(batch=batch)
-        .order_by("pk")
-        .values_list("pk", flat=True)
-    )
+FIRST = "first words"  # each item's transcript before the re-run
 
 
 def test_the_batch_page_offers_a_rerun_only_with_the_change_permission(
     operator_client,
 ):
-    batch = _finished()
+    batch = finished_batch(durations=[60.0, 60.0, 60.0], text=FIRST)
     page = operator_client.get(f"/batches/{batch.pk}/").content.decode()
     assert 'id="rerun-form"' not in page and 'name="item"' not in page
     response = operator_client.post(f"/batches/{batch.pk}/rerun", {"flag": "short"})
     assert response.status_code == 403
     assert not JobRun.objects.exists()
 
-    client, _ = _changer()
+    client, _ = changer_client()
     page = client.get(f"/batches/{batch.pk}/").content.decode()
     assert 'id="rerun-form"' in page and "csrfmiddlewaretoken" in page
     assert page.count('form="rerun-form"') == 3  # a box per done item
 
 
 def test_ticked_items_rerun_with_a_requirement(settings):
-    client, user = _changer()
-    batch = _finished()
-    first, second, _ = _items(batch)
+    client, user = changer_client()
+    batch = finished_batch(durations=[60.0, 60.0, 60.0], text=FIRST)
+    first, second, _ = item_ids(batch)
 
     response = client.post(
         f"/batches/{batch.pk}/rerun",
@@ -80,7 +55,7 @@ def test_ticked_items_rerun_with_a_requirement(settings):
     )
 
     assert response.status_code == 200
-    assert _messages(response) == [
+    assert page_messages(response) == [
         "Re-running 2 items on workers offering model=large-v3: queued as a new "
         "run; the earlier results stay in each item's history."
     ]
@@ -103,14 +78,14 @@ def test_ticked_items_rerun_with_a_requirement(settings):
 
 
 def test_a_flag_reruns_every_item_with_it():
-    client, _ = _changer()
-    batch = _finished(durations=(60.0, 5.0))
+    client, _ = changer_client()
+    batch = finished_batch(durations=[60.0, 5.0], text=FIRST)
 
     response = client.post(
         f"/batches/{batch.pk}/rerun", {"flag": "short", "requires": ""}, follow=True
     )
 
-    assert _messages(response)[0].startswith("Re-running 1 item flagged short:")
+    assert page_messages(response)[0].startswith("Re-running 1 item flagged short:")
     assert Job.objects.filter(status="queued").count() == 1
 
 
@@ -124,34 +99,36 @@ def test_a_flag_reruns_every_item_with_it():
     ],
 )
 def test_bad_reruns_are_a_message_and_change_nothing(data, message):
-    client, _ = _changer()
-    batch = _finished()
+    client, _ = changer_client()
+    batch = finished_batch(durations=[60.0, 60.0, 60.0], text=FIRST)
 
     response = client.post(f"/batches/{batch.pk}/rerun", data, follow=True)
 
     assert response.status_code == 200
-    assert message in " ".join(_messages(response))
+    assert message in " ".join(page_messages(response))
     assert not JobRun.objects.exists()
 
 
 def test_items_not_done_are_refused_with_a_message():
-    client, _ = _changer()
+    client, _ = changer_client()
     batch = make_batch(2)
 
     response = client.post(
-        f"/batches/{batch.pk}/rerun", {"item": _items(batch)}, follow=True
+        f"/batches/{batch.pk}/rerun", {"item": item_ids(batch)}, follow=True
     )
 
-    assert "only done or failed items can be re-run" in " ".join(_messages(response))
+    assert "only done or failed items can be re-run" in " ".join(
+        page_messages(response)
+    )
     assert not JobRun.objects.exists()
 
 
 def test_the_admin_reruns_the_selected_items_with_the_change_permission(
     admin_client,
 ):
-    batch = _finished(durations=(60.0, 60.0))
+    batch = finished_batch(durations=[60.0, 60.0], text=FIRST)
     queued = make_batch(1, name="queued")
-    chosen = [*_items(batch), *_items(queued)]
+    chosen = [*item_ids(batch), *item_ids(queued)]
 
     response = admin_client.post(
         "/admin/batches/batchitem/",
@@ -162,7 +139,7 @@ def test_the_admin_reruns_the_selected_items_with_the_change_permission(
     assert response.status_code == 200
     assert (
         "Re-running 2 items as a new run; 1 skipped (not done or failed)."
-        in " ".join(_messages(response))
+        in " ".join(page_messages(response))
     )
     assert JobRun.objects.count() == 2
 
@@ -175,13 +152,13 @@ def test_the_admin_offers_no_rerun_without_the_change_permission(db):
         )
     )
     client = client_for(user)
-    batch = _finished(durations=(60.0,))
+    batch = finished_batch(durations=[60.0], text=FIRST)
 
     page = client.get("/admin/batches/batchitem/").content.decode()
     assert "rerun_items" not in page
     client.post(
         "/admin/batches/batchitem/",
-        {"action": "rerun_items", "_selected_action": _items(batch)},
+        {"action": "rerun_items", "_selected_action": item_ids(batch)},
     )
     assert not JobRun.objects.exists()
 
@@ -194,7 +171,7 @@ def test_the_batch_page_with_both_forms_has_no_id_twice():
     worker = make_worker("w-ids")
     job = transitions.claim_next(worker)
     transitions.complete(job, job.lease_token, worker=worker, result={"text": "a"})
-    client, _ = _changer()
+    client, _ = changer_client()
     page = client.get(f"/batches/{batch.pk}/").content.decode()
     assert 'id="rerun-form"' in page and "requires-form" in page
     ids = re.findall(r'\sid="([^"]+)"', page)
