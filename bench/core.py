@@ -169,12 +169,16 @@ class Bench:
         return self.sizes.processes
 
 
-def _start_database(args) -> tuple[str, object | None]:
+def _start_database(
+    args, more: dict[str, str] | None = None
+) -> tuple[str, object | None]:
+    """The database to measure: ``--database-url``'s, else a private server's
+    (with ``more`` PostgreSQL settings)."""
     if args.database_url:
         return args.database_url, None
     server = PrivatePostgres()
     # Stock PostgreSQL (fsync on, autovacuum on) with room for the clients.
-    server.start(settings={"fsync": "on", "max_connections": "300"})
+    server.start(settings={"fsync": "on", "max_connections": "300", **(more or {})})
     return server.create_database("recall_bench"), server
 
 

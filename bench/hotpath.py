@@ -25,6 +25,15 @@ fresh each run (bench/seed.py), finished jobs in front, and one job more than
 the steps take, so no step finishes the batch. ``--profile FILE`` writes a
 cProfile of the steps (CPU time, so waits for the database do not count)
 instead.
+
+``--statements`` prints what the database did for the steps instead of
+leaving it to guess: each statement run at least once per two steps, from
+``pg_stat_statements`` (loaded into the private server; with
+``--database-url``, a server that loads it), with its calls and plans per
+step, its planning and execution time per call, and the buffers it touched.
+A statement planned on every call shows there at once: that is how the
+claim's re-planning was found (docs/development/benchmark-history.md, "The
+claim planned on every call").
 """
 
 from __future__ import annotations
@@ -140,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         "--database-url", help="a PostgreSQL database (default: a private server)"
     )
     parser.add_argument("--profile", help="write a cProfile of the steps here")
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="also print each statement's plans and times (pg_stat_statements)",
+    )
     args = parser.parse_args(argv)
 
     from bench.core import _setup_django, _start_database
@@ -148,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(
         "PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="recall-hotpath-")
     )
-    url, server = _start_database(args)
+    url, server = _start_database(args, STATEMENTS_SERVER if args.statements else None)
     try:
         _setup_django(url)
         from bench import seed
@@ -169,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         }[args.kind]()
         for _ in range(WARM_UP):
             step()
+        if args.statements:
+            _reset_statements()
 
         def steps() -> None:
             for _ in range(args.steps):
@@ -195,10 +211,58 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
         )
+        if args.statements:
+            _print_statements(args.steps)
     finally:
         if server is not None:
             server.destroy()
     return 0
+
+
+# The private server of --statements: the statistics module loaded, planning
+# timed too.
+STATEMENTS_SERVER = {
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track_planning": "on",
+}
+
+
+def _reset_statements() -> None:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        cursor.execute("SELECT pg_stat_statements_reset()")
+
+
+def _print_statements(steps: int) -> None:
+    """The statements of the measured steps (run at least once per two steps),
+    dearest first: per step, per call, and the text's start."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT calls, plans, total_plan_time, total_exec_time,
+                   shared_blks_hit + shared_blks_read, query
+            FROM pg_stat_statements
+            WHERE dbid = (SELECT oid FROM pg_database
+                          WHERE datname = current_database())
+              AND calls >= %s
+            ORDER BY total_plan_time + total_exec_time DESC""",
+            [max(1, steps // 2)],
+        )
+        rows = cursor.fetchall()
+    print(
+        f"{'calls/step':>10} {'plans/call':>10} {'plan ms':>8} {'exec ms':>8} "
+        f"{'buffers':>8}  statement"
+    )
+    for calls, plans, plan_ms, exec_ms, buffers, query in rows:
+        text = " ".join(query.split())[:60]
+        print(
+            f"{calls / steps:>10.2f} {plans / calls:>10.2f} "
+            f"{plan_ms / calls:>8.3f} {exec_ms / calls:>8.3f} "
+            f"{buffers / calls:>8.1f}  {text}"
+        )
 
 
 if __name__ == "__main__":

@@ -135,6 +135,27 @@ def test_the_hot_path_measure_runs_its_steps(kind):
     ), result.stdout
 
 
+@pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
+def test_the_hot_path_measure_lists_the_statements_and_their_plans():
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.hotpath", "model", "20", "--statements"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    rows = {
+        line.split(None, 5)[5][:20]: line.split()[:2]
+        for line in result.stdout.splitlines()[2:]
+    }
+    # The claim and the completion, each once per step and never re-planned
+    # (their plans were made in the warm-up: plan_cache_mode).
+    assert rows["WITH chores AS ( SEL"] == ["1.00", "0.00"]
+    assert rows["WITH target AS ( SEL"] == ["1.00", "0.00"]
+
+
 def test_the_routing_rows_workers_serve_as_it_says():
     sets = requirement_sets(20)
 
