@@ -106,6 +106,7 @@ def batch(
         raise ValueError("leased items need a worker and a lease expiry")
     expires = lease_expires_at or now
     with transaction.atomic(), connection.cursor() as cursor:
+        _hold_statistics(cursor)
         b = Batch.objects.create(
             name=name,
             priority=priority,
@@ -187,6 +188,28 @@ def batch(
             for model in (BatchItem, Job, Lease, Batch):
                 cursor.execute(f"ANALYZE {model._meta.db_table}")
     return b
+
+
+def _hold_statistics(cursor) -> None:
+    """Keep VACUUM and ANALYZE (autovacuum's included) off the tables whose
+    rows the seed's foreign keys are checked against, until its COMMIT.
+
+    The foreign keys are deferred, so every row the seed inserts is checked at
+    COMMIT, by a plan made then from the tables' statistics. An ANALYZE or
+    VACUUM by another session while the seed's rows are not yet committed
+    counts none of them: it records the table's pages with no rows in them,
+    so the planner takes the table for empty, where every index costs the
+    same, and may check ``item_id`` through ``item_batch_status (batch_id,
+    status, id)``, walking the whole index for each job. That is quadratic: a
+    300,000-item seed sat in its COMMIT for over 13 minutes instead of 10 s
+    (docs/development/benchmark-history.md). Autovacuum skips a table held in
+    SHARE UPDATE EXCLUSIVE mode, and waiting for one already at work costs at
+    most ``deadlock_timeout`` (it is cancelled); inserts, updates and row locks
+    by other sessions are not blocked by it."""
+    cursor.execute(
+        f"LOCK TABLE {Batch._meta.db_table}, {BatchItem._meta.db_table}, "
+        f"{Job._meta.db_table} IN SHARE UPDATE EXCLUSIVE MODE"
+    )
 
 
 def _count(batch_id: int) -> None:

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import psycopg
 import pytest
+from django.db import connection, transaction
 
 from batches.labels import satisfies
 from bench import scale, seed
@@ -54,6 +56,26 @@ def test_seeded_rows_agree_like_the_transitions_leave_them():
     job = transitions.claim_next(claimer, now=T0 + timedelta(seconds=2))
     assert job.batch_id == batch.pk
     assert find_violations(now=T0 + timedelta(seconds=2)) == []
+
+
+@pytest.mark.django_db
+def test_a_seed_keeps_analyze_off_its_tables_until_it_commits():
+    """An ANALYZE (autovacuum's) while the seed's rows are uncommitted counted
+    none of them, and the foreign-key checks at COMMIT then walked a whole
+    index per row (docs/development/benchmark-history.md)."""
+    with transaction.atomic():  # the seed's COMMIT, still to come
+        seed.batch("held", now=T0, completed=3, queued=2, analyze=False)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT relation::regclass::text FROM pg_locks "
+                "WHERE pid = pg_backend_pid() AND mode = 'ShareUpdateExclusiveLock'"
+            )
+            held = {name for (name,) in cursor.fetchall()}
+        assert held == {"batches_batch", "batches_batchitem", "jobs_job"}
+        with psycopg.connect(**connection.get_connection_params()) as other:
+            other.execute("SET lock_timeout = '50ms'")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                other.execute("ANALYZE batches_batchitem")
 
 
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
