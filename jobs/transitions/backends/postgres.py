@@ -25,7 +25,7 @@ import functools
 import hmac
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from typing import Any
@@ -34,7 +34,7 @@ import psycopg
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Model, QuerySet
+from django.db.models import JSONField, Model, QuerySet
 from psycopg.types.datetime import TimestamptzLoader
 
 from batches.flags import language_name, words
@@ -714,8 +714,33 @@ def _columns(model: type[Model]) -> tuple[list[str], list[tuple[int, Any]]]:
     column that has one (its index and ``from_db_value``), found once."""
     fields = model._meta.concrete_fields
     converters = [
-        (i, f.from_db_value)
+        (i, _json_reader(f) if isinstance(f, JSONField) else f.from_db_value)
         for i, f in enumerate(fields)
         if hasattr(f, "from_db_value")
     ]
     return [f.attname for f in fields], converters
+
+
+def _json_reader(field: JSONField) -> Callable[[Any, Any, Any], Any]:
+    """``field.from_db_value`` with one decoder made for good: Django's
+    ``json.loads(value, cls=field.decoder)`` makes a new decoder (and its
+    scanner) for every value, two thirds of reading a small object (about
+    5 µs of 7.5): a claim given a job reads three (the worker's labels, the
+    job's requirements, the item's params), every request one. The decoder
+    keeps no state between calls (its C scanner clears its memo, and holds
+    the GIL throughout, when no parse hook is set, as none is on these
+    columns), so the threads may share it. A value that is not text, or
+    starts with a byte order mark (which json.loads refuses), goes to the
+    field's own converter as before."""
+    decoder = (field.decoder or json.JSONDecoder)()
+    fallback = field.from_db_value
+
+    def read(value: Any, expression: Any, connection: Any) -> Any:
+        if not isinstance(value, str) or value.startswith("\ufeff"):
+            return fallback(value, expression, connection)
+        try:
+            return decoder.decode(value)
+        except json.JSONDecodeError:
+            return value  # as from_db_value: text that is not JSON stays text
+
+    return read
