@@ -23,7 +23,11 @@ the batch's transcripts for every word as a substring (``LIKE``, so case is
 ignored for ASCII letters only), "fund" finding "refund" too.
 
 Pages are never counted or ranked: hits come in item order, a page at a time,
-after a keyset cursor (the caller's ``pk`` filter).
+after a keyset cursor. On PostgreSQL a page is read a window of item ids at a
+time (``in_windows``): the word's index entries ANDed with a range of item
+ids, the range doubling until the page is full or the ids run out, so that a
+word in every transcript costs a page, not a sort of all its matches, and a
+word in none costs a few index look-ups.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import BooleanField, F, Func, QuerySet
+from django.db.models import BooleanField, F, Func, Max, Min, QuerySet
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
@@ -139,6 +143,66 @@ def in_batch_with_transcript(batch_id: int, search: Search) -> QuerySet[BatchIte
     return with_transcript(
         BatchItem.objects.filter(batch_id=batch_id, job__batch_id=batch_id), search
     )
+
+
+# Item ids in a page's first window (``in_windows``); each next one is twice as
+# wide, so an id range of a million is crossed in a dozen windows.
+FIRST_WINDOW = 256
+
+
+def item_ids(items: QuerySet[BatchItem]) -> tuple[int, int] | None:
+    """The lowest and the highest id of ``items`` (None when there are none):
+    two probes of an index on the ids, to run outside ``through_the_index``."""
+    bounds = items.aggregate(low=Min("pk"), high=Max("pk"))
+    if bounds["low"] is None:
+        return None
+    return bounds["low"], bounds["high"]
+
+
+def in_windows(
+    matches: QuerySet[BatchItem],
+    need: int,
+    low: int,
+    high: int,
+    *,
+    descending: bool = False,
+) -> list[BatchItem]:
+    """The first ``need`` of ``matches`` (a search's items, e.g. from
+    ``with_transcript``) whose ids are from ``low`` to ``high``, in id order
+    (from ``high`` down with ``descending``): what
+    ``matches.filter(pk__range=(low, high)).order_by("pk")[:need]`` returns.
+
+    On PostgreSQL, inside ``through_the_index``, read a window of ids at a
+    time, the first ``FIRST_WINDOW`` ids wide, each next one twice as wide,
+    until ``need`` are found or the range is crossed. In each window the
+    word's index entries are ANDed with the window's jobs (by item id), or the
+    window's transcripts are tested when the word is so common that that is
+    cheaper (the planner's choice): either way a window reads at most its own
+    matches, so a page of a word in every transcript reads about a page, where
+    one query would fetch and sort every match after the cursor. A rare word
+    costs a look-up of its few entries per window.
+
+    Elsewhere (SQLite scans the transcripts anyway) one query."""
+    if need <= 0 or low > high:
+        return []
+    ordering = "-pk" if descending else "pk"
+    if connection.vendor != "postgresql":
+        return list(matches.filter(pk__range=(low, high)).order_by(ordering)[:need])
+    found: list[BatchItem] = []
+    width = FIRST_WINDOW
+    while low <= high and len(found) < need:
+        if descending:
+            start, end = max(low, high - width + 1), high
+            high = start - 1
+        else:
+            start, end = low, min(high, low + width - 1)
+            low = end + 1
+        window = matches.filter(
+            pk__range=(start, end), job__item__gte=start, job__item__lte=end
+        )
+        found.extend(window.order_by(ordering)[: need - len(found)])
+        width *= 2
+    return found
 
 
 @contextmanager
