@@ -23,7 +23,6 @@ from jobs.search import (
     item_ids,
     matches_substrings,
     through_the_index,
-    with_transcript,
 )
 
 HITS_PER_PAGE = 25
@@ -37,24 +36,26 @@ def _cursor(request: HttpRequest, name: str) -> int | None:
 def _page(request: HttpRequest, search: Search) -> dict:
     """One page of hits, newest first, and the cursors around it: read a
     window of item ids at a time (``jobs.search.in_windows``)."""
-    items = (
-        with_transcript(BatchItem.objects.all(), search)
-        .select_related("batch", "job")
-        .only("id", "source", "status", "batch__id", "batch__name", "job__result")
+    items = BatchItem.objects.select_related("batch", "job").only(
+        "id", "source", "status", "batch__id", "batch__name", "job__result"
     )
     older, newer = _cursor(request, "older"), _cursor(request, "newer")
     ids = item_ids(BatchItem.objects.all())
     low, high = ids if ids is not None else (1, 0)
     with through_the_index():
         if newer is not None:
-            rows = in_windows(items, HITS_PER_PAGE + 1, max(low, newer + 1), high)
+            rows = in_windows(
+                items, search, HITS_PER_PAGE + 1, max(low, newer + 1), high
+            )
             more_newer, rows = len(rows) > HITS_PER_PAGE, rows[:HITS_PER_PAGE]
             rows.reverse()
             more_older = bool(rows)  # the page came back from older ones
         else:
             if older is not None:
                 high = min(high, older - 1)
-            rows = in_windows(items, HITS_PER_PAGE + 1, low, high, descending=True)
+            rows = in_windows(
+                items, search, HITS_PER_PAGE + 1, low, high, descending=True
+            )
             more_older, rows = len(rows) > HITS_PER_PAGE, rows[:HITS_PER_PAGE]
             more_newer = older is not None and bool(rows)
     return {

@@ -4,10 +4,14 @@ matching segment's start)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from batches.models import BatchItem
+from jobs import search as search_module
 from jobs import transitions
 from jobs.models import Job, JobStatus
 from jobs.search import (
@@ -21,8 +25,10 @@ from jobs.search import (
     first_matching_segment,
     format_offset,
     in_batch_with_transcript,
+    in_windows,
     parse_search,
     snippet,
+    through_the_index,
     with_transcript,
 )
 from tests.support.factories import claim, later, make_batch, make_worker
@@ -259,3 +265,119 @@ def test_on_sqlite_words_match_as_substrings():
     found = _found(in_batch_with_transcript(batch.pk, parse_search("FUND")))
 
     assert found == [_ids(batch)[0]]
+
+
+# --- A page a window of item ids at a time (PostgreSQL) ------------------------------
+
+# "alpha" is sparse among the first items and in every item from 13 on; "beta"
+# is in every transcript, "gamma" in one, "delta" in three far apart.
+ALPHA = {1, *range(13, 24)}
+DELTA = {0, 2, 20}
+
+
+def _layout(n: int) -> str:
+    words = ["beta"]
+    if n in ALPHA:
+        words.append("alpha")
+    if n in DELTA:
+        words.append("delta")
+    if n == 22:
+        words.append("gamma")
+    return " ".join(words)
+
+
+@pytest.fixture
+def windowed(db, monkeypatch):
+    """A batch of 24 transcribed items (ids consecutive), windows of 2 ids
+    first; the batch's ids."""
+    monkeypatch.setattr(search_module, "FIRST_WINDOW", 2)
+    batch = make_batch(24, name="windows")
+    _transcribe(batch, [_layout(n) for n in range(24)])
+    ids = _ids(batch)
+    assert ids == list(range(ids[0], ids[0] + 24))
+    return batch, ids
+
+
+WINDOW = re.compile(r'"batches_batchitem"\."id" BETWEEN (\d+) AND (\d+)')
+
+
+def _read(batch, q: str, need: int, low: int, high: int, **kw) -> tuple[list, list]:
+    """The items in_windows finds, and the windows it read (as offsets into
+    the batch's ids)."""
+    first = _ids(batch)[0]
+    items = BatchItem.objects.filter(batch=batch)
+    with CaptureQueriesContext(connection) as queries, through_the_index():
+        found = in_windows(
+            items, parse_search(q), need, first + low, first + high, **kw
+        )
+    windows = [
+        (int(m[1]) - first, int(m[2]) - first)
+        for query in queries.captured_queries
+        if (m := WINDOW.search(query["sql"]))
+    ]
+    return [item.pk - first for item in found], windows
+
+
+@pytest.mark.postgres
+def test_a_page_widens_its_window_until_it_is_full(windowed):
+    batch, _ = windowed
+
+    # Sparse at the start, dense later (no statistics: 2 ids first). Each
+    # next window at least twice as wide as the last, and as wide as the
+    # density so far says the rest of the page needs: 1 match in 2 ids, 2 more
+    # wanted, 5 ids (with the spare); then 1 in 7, 18 ids, to the end.
+    assert _read(batch, "alpha", 3, 0, 23) == (
+        [1, 13, 14],
+        [(0, 1), (2, 6), (7, 23)],
+    )
+    # A word in every transcript: the first windows fill the page.
+    assert _read(batch, "beta", 3, 0, 23) == ([0, 1, 2], [(0, 1), (2, 5)])
+    # A cursor in the middle (after item 5): the windows begin after it. A
+    # window with no match: the next one four times as wide.
+    assert _read(batch, "alpha", 3, 6, 23) == ([13, 14, 15], [(6, 7), (8, 15)])
+    # The last page: the range runs out before the page is full.
+    assert _read(batch, "alpha", 5, 21, 23) == ([21, 22, 23], [(21, 22), (23, 23)])
+    assert _read(batch, "gamma", 3, 0, 23) == ([22], [(0, 1), (2, 9), (10, 23)])
+    assert _read(batch, "absent", 3, 0, 23) == ([], [(0, 1), (2, 9), (10, 23)])
+    assert _read(batch, "alpha", 3, 5, 4) == ([], [])
+
+
+@pytest.mark.postgres
+def test_a_page_read_backwards_widens_its_window_down(windowed):
+    batch, _ = windowed
+
+    # None in 22-23: 8 ids; 1 match in 10 ids: 16, as many as the density
+    # says (13) and at least twice the last.
+    assert _read(batch, "delta", 2, 0, 23, descending=True) == (
+        [20, 2],
+        [(22, 23), (14, 21), (0, 13)],
+    )
+    assert _read(batch, "delta", 5, 0, 23, descending=True) == (
+        [20, 2, 0],
+        [(22, 23), (14, 21), (0, 13)],
+    )
+    assert _read(batch, "alpha", 4, 0, 19, descending=True) == (
+        [19, 18, 17, 16],
+        [(18, 19), (14, 17)],
+    )
+
+
+@pytest.mark.postgres
+def test_pages_in_windows_are_the_pages_of_one_query(windowed):
+    batch, ids = windowed
+    items, search = BatchItem.objects.filter(batch=batch), parse_search("alpha")
+    expected = [ids[n] for n in sorted(ALPHA)]
+
+    for need in (1, 2, 3, 5, 12, 30):
+        for low in range(0, 25):
+            with through_the_index():
+                up = in_windows(items, search, need, ids[0] + low, ids[-1])
+                down = in_windows(
+                    items, search, need, ids[0], ids[0] + low - 1, descending=True
+                )
+            assert [i.pk for i in up] == [pk for pk in expected if pk >= ids[0] + low][
+                :need
+            ]
+            assert [i.pk for i in down] == [
+                pk for pk in reversed(expected) if pk < ids[0] + low
+            ][:need]
