@@ -20,8 +20,10 @@ from jobs.search import (
     MAX_SEARCH_CHARS,
     MAX_SEARCH_WORDS,
     BadSearch,
+    Density,
     Search,
     TranscriptMatches,
+    density_of,
     first_matching_segment,
     format_offset,
     in_batch_with_transcript,
@@ -381,3 +383,94 @@ def test_pages_in_windows_are_the_pages_of_one_query(windowed):
             assert [i.pk for i in down] == [
                 pk for pk in reversed(expected) if pk < ids[0] + low
             ][:need]
+
+
+def _analyze() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "ANALYZE jobs_job"
+        )  # its own rows too, in the test's transaction
+
+
+@pytest.mark.postgres
+def test_the_density_comes_from_the_statistics_of_the_index(windowed):
+    assert density_of(parse_search("beta")) is None  # never analyzed
+    _analyze()
+
+    assert density_of(parse_search("beta")) == Density(1.0, 24.0, "", 1.0)
+    # Words taken as independent; the key is the rarest word.
+    both = density_of(parse_search("Alpha gamma"))
+    assert both == Density(
+        pytest.approx(0.5 / 24), 24.0, "gamma", pytest.approx(1 / 24)
+    )
+    # A word the statistics do not list: half the rarest listed one.
+    absent = density_of(parse_search("beta absent"))
+    assert absent == Density(
+        pytest.approx(1 / 48), 24.0, "absent", pytest.approx(1 / 48)
+    )
+
+
+@pytest.mark.postgres
+def test_a_window_of_a_common_word_tests_its_transcripts(windowed, monkeypatch):
+    batch, _ = windowed
+    _analyze()
+    # 24 transcripts: testing 3 costs less than reading 24 entries only if a
+    # test costs less than 8 entries.
+    monkeypatch.setattr(search_module, "ENTRIES_PER_TEST", 7)
+
+    with CaptureQueriesContext(connection) as queries:
+        # The first window as wide as "beta" (in every transcript) needs.
+        assert _read(batch, "beta", 3, 0, 23) == ([0, 1, 2], [(0, 3)])
+    (window,) = [q["sql"] for q in queries.captured_queries if WINDOW.search(q["sql"])]
+    assert "ts_match_vq(" in window
+    assert " @@ " not in window
+
+    monkeypatch.setattr(search_module, "ENTRIES_PER_TEST", 8)
+    with CaptureQueriesContext(connection) as queries:
+        assert _read(batch, "beta", 3, 0, 23) == ([0, 1, 2], [(0, 3)])
+    (window,) = [q["sql"] for q in queries.captured_queries if WINDOW.search(q["sql"])]
+    assert " @@ plainto_tsquery('simple'::regconfig, 'beta')" in window
+    assert "ts_match_vq(" not in window
+
+
+@pytest.mark.postgres
+def test_a_window_of_several_words_reads_the_index_for_the_rarest(windowed):
+    batch, _ = windowed
+    _analyze()
+
+    with CaptureQueriesContext(connection) as queries:
+        # "alpha gamma": in 1 of 48 transcripts by the statistics: one window
+        # of 60 ids, the whole batch.
+        assert _read(batch, "alpha gamma", 3, 0, 23) == ([22], [(0, 23)])
+    (window,) = [q["sql"] for q in queries.captured_queries if WINDOW.search(q["sql"])]
+    assert " @@ plainto_tsquery('simple'::regconfig, 'gamma')" in window
+    assert "plainto_tsquery('simple'::regconfig, 'alpha gamma')" in window
+
+
+@pytest.mark.postgres
+def test_the_key_is_a_word_the_parser_gives_back_alone(db):
+    # PostgreSQL reads "foo-bar" as "foo-bar", "foo" and "bar", and
+    # "example.com" as that host alone: the key is a word every match has.
+    batch = make_batch(4)
+    _transcribe(
+        batch,
+        ["call foo-bar now", "bar then foo", "see example.com now", "example com"],
+    )
+    _analyze()
+    ids = _ids(batch)
+    items = BatchItem.objects.filter(batch=batch)
+
+    def found(q: str) -> list[int]:
+        search = parse_search(q)
+        with through_the_index():
+            windows = in_windows(items, search, 10, ids[0], ids[-1])
+        everything = _found(with_transcript(items, search))
+        assert [item.pk for item in windows] == everything
+        return everything
+
+    assert density_of(parse_search("foo-bar")).key in ("foo", "bar")
+    assert found("foo-bar") == [ids[0]]
+    assert found("foo-bar now") == [ids[0]]
+    assert density_of(parse_search("example.com now")).key == "example.com"
+    assert found("example.com now") == [ids[2]]
+    assert found("example com") == [ids[3]]
