@@ -24,10 +24,11 @@ ignored for ASCII letters only), "fund" finding "refund" too.
 
 Pages are never counted or ranked: hits come in item order, a page at a time,
 after a keyset cursor. On PostgreSQL a page is read a window of item ids at a
-time (``in_windows``): the word's index entries ANDed with a range of item
-ids, the range doubling until the page is full or the ids run out, so that a
-word in every transcript costs a page, not a sort of all its matches, and a
-word in none costs a few index look-ups.
+time (``in_windows``), through the index (the word's entries ANDed with the
+window's items) or by testing the window's transcripts, whichever the index's
+statistics say costs less, the windows widening until the page is full or the
+ids run out: a word in every transcript costs about a page, not a sort of all
+its matches, and a word in none a few look-ups of the index.
 """
 
 from __future__ import annotations
@@ -270,9 +271,13 @@ def in_windows(
     The first window is as wide as the statistics of the index say a page
     needs (``FIRST_WINDOW`` without statistics); each next one as wide as the
     windows read so far say the rest of the page needs, and through the index
-    at least twice as wide as the last. So a page costs about a page for a
-    common word and a dozen look-ups of a few entries for a word in none,
-    where one query would fetch and sort every match after the cursor.
+    at least twice as wide as the last (four times after windows without a
+    match), but never so wide that its matches would cost more than
+    ``WINDOW_COST`` times the key's entries. So a page costs about a page for
+    a common word and a dozen look-ups of a few entries for a word in none,
+    where one query would fetch and sort every match after the cursor. A
+    search of several words is read through the index for its key (its
+    rarest word, ``Density``) and tested on what that finds.
 
     Elsewhere (SQLite scans the transcripts anyway) one query."""
     if need <= 0 or low > high:
@@ -335,8 +340,8 @@ def through_the_index() -> Iterator[None]:
     common; for a word it cannot see in its statistics it guesses 0.5% of the
     rows, and for an item's own word (one hit in a million) the walk computed
     a million vectors: minutes (row 22 of the benchmarks). Through the index
-    a page costs the matches after the cursor: nothing for a rare word, a
-    sort of every match for a word in most transcripts."""
+    alone a query costs its matches: nothing for a rare word, a sort of every
+    match for a word in most transcripts, unless ``in_windows`` reads it."""
     if connection.vendor != "postgresql":
         yield
         return
