@@ -45,7 +45,7 @@ from django.db.models import BooleanField, F, Func, Max, Min, QuerySet
 from django.utils.html import escape
 from django.utils.safestring import SafeString, mark_safe
 
-from batches.models import BatchItem
+from batches.models import BatchItem, ItemStatus
 
 from .models import JobStatus
 
@@ -311,6 +311,16 @@ def in_windows(
         found.extend(rows)
         read, hits = read + end - start + 1, hits + len(rows)
         more = need - len(found)
+        if not rows and low <= high:
+            # Nothing here: go on from the nearest done item (a completed
+            # job's), past the ids of items still queued or running.
+            nearest = _nearest_done(items, low, high, descending=descending)
+            if nearest is None:
+                break
+            if descending:
+                high = nearest
+            else:
+                low = nearest
         guess = ceil(more / (hits / read) * SPARE) if hits else 0
         if not hits:  # a rare word, or ids of no transcript: each window
             width *= 4  # through the index costs its entries, so far fewer
@@ -328,6 +338,24 @@ def in_windows(
             most = WINDOW_COST * stats.entries / each / stats.key_share
             width = min(width, max(ceil(most), 1))
     return found
+
+
+def _nearest_done(
+    items: QuerySet[BatchItem], low: int, high: int, *, descending: bool
+) -> int | None:
+    """The id of the first done item of ``items`` from ``low`` to ``high``
+    (from ``high`` down with ``descending``): a walk of an index on the ids
+    (the batch's status and id, within a batch), so index scans are allowed
+    for it alone inside ``through_the_index``."""
+    ordering = "-pk" if descending else "pk"
+    done = items.filter(status=ItemStatus.DONE, pk__range=(low, high))
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_indexscan = on")
+        try:
+            first = list(done.order_by(ordering).values_list("pk", flat=True)[:1])
+        finally:
+            cursor.execute("SET LOCAL enable_indexscan = off")
+    return first[0] if first else None
 
 
 @contextmanager

@@ -303,6 +303,16 @@ def windowed(db, monkeypatch):
 WINDOW = re.compile(r'"batches_batchitem"\."id" BETWEEN (\d+) AND (\d+)')
 
 
+def _windows(queries) -> list[str]:
+    """The statements that read a window (not the statistics, nor a look for
+    the nearest done item)."""
+    return [
+        q["sql"]
+        for q in queries.captured_queries
+        if WINDOW.search(q["sql"]) and "plainto_tsquery" in q["sql"]
+    ]
+
+
 def _read(batch, q: str, need: int, low: int, high: int, **kw) -> tuple[list, list]:
     """The items in_windows finds, and the windows it read (as offsets into
     the batch's ids)."""
@@ -314,8 +324,8 @@ def _read(batch, q: str, need: int, low: int, high: int, **kw) -> tuple[list, li
         )
     windows = [
         (int(m[1]) - first, int(m[2]) - first)
-        for query in queries.captured_queries
-        if (m := WINDOW.search(query["sql"]))
+        for sql in _windows(queries)
+        if (m := WINDOW.search(sql))
     ]
     return [item.pk - first for item in found], windows
 
@@ -421,14 +431,14 @@ def test_a_window_of_a_common_word_tests_its_transcripts(windowed, monkeypatch):
     with CaptureQueriesContext(connection) as queries:
         # The first window as wide as "beta" (in every transcript) needs.
         assert _read(batch, "beta", 3, 0, 23) == ([0, 1, 2], [(0, 3)])
-    (window,) = [q["sql"] for q in queries.captured_queries if WINDOW.search(q["sql"])]
+    (window,) = _windows(queries)
     assert "ts_match_vq(" in window
     assert " @@ " not in window
 
     monkeypatch.setattr(search_module, "ENTRIES_PER_TEST", 8)
     with CaptureQueriesContext(connection) as queries:
         assert _read(batch, "beta", 3, 0, 23) == ([0, 1, 2], [(0, 3)])
-    (window,) = [q["sql"] for q in queries.captured_queries if WINDOW.search(q["sql"])]
+    (window,) = _windows(queries)
     assert " @@ plainto_tsquery('simple'::regconfig, 'beta')" in window
     assert "ts_match_vq(" not in window
 
@@ -442,7 +452,7 @@ def test_a_window_of_several_words_reads_the_index_for_the_rarest(windowed):
         # "alpha gamma": in 1 of 48 transcripts by the statistics: one window
         # of 60 ids, the whole batch.
         assert _read(batch, "alpha gamma", 3, 0, 23) == ([22], [(0, 23)])
-    (window,) = [q["sql"] for q in queries.captured_queries if WINDOW.search(q["sql"])]
+    (window,) = _windows(queries)
     assert " @@ plainto_tsquery('simple'::regconfig, 'gamma')" in window
     assert "plainto_tsquery('simple'::regconfig, 'alpha gamma')" in window
 
@@ -474,3 +484,34 @@ def test_the_key_is_a_word_the_parser_gives_back_alone(db):
     assert density_of(parse_search("example.com now")).key == "example.com"
     assert found("example.com now") == [ids[2]]
     assert found("example com") == [ids[3]]
+
+
+@pytest.mark.postgres
+def test_windows_skip_the_ids_of_items_not_done(db, monkeypatch):
+    monkeypatch.setattr(search_module, "FIRST_WINDOW", 2)
+    done = make_batch(10, name="done")
+    _transcribe(done, ["alpha" if n in (3, 7) else "beta" for n in range(10)])
+    make_batch(20, name="queued")  # newer ids, no transcript yet
+    ids = list(BatchItem.objects.order_by("pk").values_list("pk", flat=True))
+    assert ids == list(range(ids[0], ids[0] + 30))
+    first = ids[0]
+    items = BatchItem.objects.all()
+
+    def read(need, low, high, **kw):
+        with CaptureQueriesContext(connection) as queries, through_the_index():
+            found = in_windows(
+                items, parse_search("alpha"), need, first + low, first + high, **kw
+            )
+        windows = [WINDOW.search(sql) for sql in _windows(queries)]
+        return (
+            [item.pk - first for item in found],
+            [(int(m[1]) - first, int(m[2]) - first) for m in windows],
+        )
+
+    # Newest first: nothing in 28-29, so on from the nearest done item (9),
+    # four times as wide.
+    assert read(2, 0, 29, descending=True) == ([7, 3], [(28, 29), (2, 9)])
+    # After the last done item: one window, and no done item beyond it.
+    assert read(2, 10, 29) == ([], [(10, 11)])
+    # 2 matches in 10 ids, 3 more wanted: 19 ids; then no done item is left.
+    assert read(5, 0, 29) == ([3, 7], [(0, 1), (2, 9), (10, 28)])
