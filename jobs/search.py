@@ -273,7 +273,9 @@ def in_windows(
     windows read so far say the rest of the page needs, and through the index
     at least twice as wide as the last (four times after windows without a
     match), but never so wide that its matches would cost more than
-    ``WINDOW_COST`` times the key's entries. So a page costs about a page for
+    ``WINDOW_COST`` times the key's entries; after a window without a match
+    the next begins at the nearest done item (``_nearest_done``), past the
+    ids of items queued or running. So a page costs about a page for
     a common word and a dozen look-ups of a few entries for a word in none,
     where one query would fetch and sort every match after the cursor. A
     search of several words is read through the index for its key (its
