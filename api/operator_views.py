@@ -41,7 +41,8 @@ from jobs.exceptions import BatchClosed, RerunRefused
 from jobs.models import Job
 from jobs.search import (
     BadSearch,
-    in_batch_with_transcript,
+    in_windows,
+    item_ids,
     parse_search,
     through_the_index,
 )
@@ -368,11 +369,12 @@ def batch_items(
     # The page's items first, alone (an ordered walk of the (batch, id) index
     # whatever the planner thinks of a just-loaded batch), then their jobs.
     rows = BatchItem.objects.filter(batch=batch)
+    words = None
     if search is not None:
         # Words in the transcripts (jobs.search): completed jobs only, in item
         # order like every page, never counted or ranked.
         try:
-            rows = in_batch_with_transcript(batch.pk, parse_search(search))
+            words = parse_search(search)
         except BadSearch as bad:
             raise bad_request(f"'q': {bad}") from None
     rows = rows.only("id", "source", "params", "status", *FLAG_COLUMNS.values())
@@ -381,12 +383,16 @@ def batch_items(
         rows = rows.filter(status=state)
     if flag:  # through the flag's partial index on (batch, id)
         rows = rows.filter(**{FLAG_COLUMNS[flag]: True})
-    if cursor is not None:
-        rows = rows.filter(pk__gt=cursor)
-    if search is not None:
+    if words is not None:
+        # A window of the batch's item ids at a time (jobs.search.in_windows).
+        low, high = item_ids(BatchItem.objects.filter(batch=batch)) or (1, 0)
+        if cursor is not None:
+            low = max(low, cursor + 1)
         with through_the_index():
-            page = list(rows[: limit + 1])
+            page = in_windows(rows, words, limit + 1, low, high)
     else:
+        if cursor is not None:
+            rows = rows.filter(pk__gt=cursor)
         page = list(rows[: limit + 1])
     more, page = len(page) > limit, page[:limit]
     jobs = {

@@ -19,9 +19,10 @@ from console.forms import SearchForm
 from jobs.search import (
     Search,
     hits,
+    in_windows,
+    item_ids,
     matches_substrings,
     through_the_index,
-    with_transcript,
 )
 
 HITS_PER_PAGE = 25
@@ -33,24 +34,30 @@ def _cursor(request: HttpRequest, name: str) -> int | None:
 
 
 def _page(request: HttpRequest, search: Search) -> dict:
-    """One page of hits, newest first, and the cursors around it."""
-    items = (
-        with_transcript(BatchItem.objects.all(), search)
-        .select_related("batch", "job")
-        .only("id", "source", "status", "batch__id", "batch__name", "job__result")
+    """One page of hits, newest first, and the cursors around it: read a
+    window of item ids at a time (``jobs.search.in_windows``)."""
+    items = BatchItem.objects.select_related("batch", "job").only(
+        "id", "source", "status", "batch__id", "batch__name", "job__result"
     )
     older, newer = _cursor(request, "older"), _cursor(request, "newer")
-    if newer is not None:
-        rows = list(items.filter(pk__gt=newer).order_by("pk")[: HITS_PER_PAGE + 1])
-        more_newer, rows = len(rows) > HITS_PER_PAGE, rows[:HITS_PER_PAGE]
-        rows.reverse()
-        more_older = bool(rows)  # the page came back from older ones
-    else:
-        if older is not None:
-            items = items.filter(pk__lt=older)
-        rows = list(items.order_by("-pk")[: HITS_PER_PAGE + 1])
-        more_older, rows = len(rows) > HITS_PER_PAGE, rows[:HITS_PER_PAGE]
-        more_newer = older is not None and bool(rows)
+    ids = item_ids(BatchItem.objects.all())
+    low, high = ids if ids is not None else (1, 0)
+    with through_the_index():
+        if newer is not None:
+            rows = in_windows(
+                items, search, HITS_PER_PAGE + 1, max(low, newer + 1), high
+            )
+            more_newer, rows = len(rows) > HITS_PER_PAGE, rows[:HITS_PER_PAGE]
+            rows.reverse()
+            more_older = bool(rows)  # the page came back from older ones
+        else:
+            if older is not None:
+                high = min(high, older - 1)
+            rows = in_windows(
+                items, search, HITS_PER_PAGE + 1, low, high, descending=True
+            )
+            more_older, rows = len(rows) > HITS_PER_PAGE, rows[:HITS_PER_PAGE]
+            more_newer = older is not None and bool(rows)
     return {
         "hits": hits(rows, search),
         "older": rows[-1].pk if rows and more_older else None,
@@ -74,8 +81,7 @@ def search(request: HttpRequest) -> HttpResponse:
         context["form"] = form
         if form.is_valid():
             context["search"] = form.cleaned_data["q"]
-            with through_the_index():
-                context.update(_page(request, context["search"]))
+            context.update(_page(request, context["search"]))
             # The search alone, for the pager's links.
             query = QueryDict(mutable=True)
             query["q"] = form.data["q"]

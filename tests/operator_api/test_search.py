@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from batches.models import BatchItem
+from jobs import search as search_module
 from jobs import transitions
 from tests.support.factories import claim, later, make_batch, make_worker
 
@@ -99,3 +100,49 @@ def test_q_needs_the_view_permission(batch, stranger_api):
     response = stranger_api.get(f"/api/v1/batches/{batch.pk}/items", q="refund")
 
     assert response.status_code == 403
+
+
+@pytest.mark.postgres
+def test_q_pages_through_widening_windows_of_the_batch(viewer_api, monkeypatch):
+    # PostgreSQL reads a page a window of item ids at a time (jobs.search.
+    # in_windows): 2 ids first here, each next window twice as wide.
+    monkeypatch.setattr(search_module, "FIRST_WINDOW", 2)
+    worker = make_worker("gpu-windows")
+    batch = make_batch(24, name="windows")
+    # "alpha" in item 1, then in every item from 13 on: sparse, then dense.
+    for n in range(24):
+        job = claim(worker, now=later(n))
+        text = "alpha" if n == 1 or n >= 13 else "beta"
+        transitions.complete(
+            job, job.lease_token, worker=worker, result={"text": text}, now=later(n)
+        )
+    after = make_batch(1, name="after")  # its transcript has the word too
+    job = claim(worker, now=later(30))
+    transitions.complete(
+        job, job.lease_token, worker=worker, result={"text": "alpha"}, now=later(30)
+    )
+    ids = _ids(batch)
+    path = f"/api/v1/batches/{batch.pk}/items"
+
+    def page(cursor=None, **params) -> tuple[list[int], int | None]:
+        if cursor is not None:
+            params["cursor"] = ids[cursor]
+        body = viewer_api.get(path, q="alpha", limit=3, **params).json()
+        cursor = body["next_cursor"]
+        found = [ids.index(item["id"]) for item in body["items"]]
+        return found, None if cursor is None else ids.index(int(cursor))
+
+    # The first page spans four windows: 0-1, 2-5, 6-13, 14-23.
+    assert page() == ([1, 13, 14], 14)
+    assert page(14) == ([15, 16, 17], 17)
+    assert page(17) == ([18, 19, 20], 20)
+    # The last page: the batch's ids run out (the next batch's item is not
+    # the batch's, though its id is next).
+    assert page(20) == ([21, 22, 23], None)
+    # A cursor in the middle, on an item without the word.
+    assert page(5) == ([13, 14, 15], 15)
+    assert page(23) == ([], None)
+    # With a filter: the windows hold the matches, the filter picks.
+    assert page(state="done") == ([1, 13, 14], 14)
+    assert page(state="queued") == ([], None)
+    assert _ids(after)[0] == ids[-1] + 1

@@ -8,6 +8,7 @@ import pytest
 
 from batches.models import BatchItem
 from console.views import search as search_view
+from jobs import search as search_module
 from jobs import transitions
 from tests.support.clients import client_for
 from tests.support.factories import claim, later, make_batch, make_user, make_worker
@@ -188,3 +189,43 @@ def test_the_batch_page_search_pages_merge_sources_and_transcripts(viewer, monke
     assert [i.pk for i in page.object_list] == ids[:2]
     second = client.get(f"/batches/{batch.pk}/", {"q": "mix", "after": page.older})
     assert [i.pk for i in second.context["page"].object_list] == ids[2:4]
+
+
+@pytest.mark.postgres
+def test_the_search_page_pages_through_widening_windows(viewer, monkeypatch):
+    # PostgreSQL reads a page a window of item ids at a time, newest first
+    # (jobs.search.in_windows): 2 ids first here, each next window twice as wide.
+    monkeypatch.setattr(search_module, "FIRST_WINDOW", 2)
+    monkeypatch.setattr(search_view, "HITS_PER_PAGE", 2)
+    early = make_batch(24, name="early")
+    _transcribe(
+        early, [{"text": "delta" if n in (0, 2, 20) else "beta"} for n in range(24)]
+    )
+    late = make_batch(3, name="late")
+    _transcribe(late, [{"text": t} for t in ("beta", "delta", "beta")], at=30)
+    ids = _ids(early) + _ids(late)
+    assert ids == list(range(ids[0], ids[0] + 27))
+    client = client_for(viewer)
+
+    def page(**cursor) -> tuple[list[int], int | None, int | None]:
+        params = {"q": "delta"} | {k: ids[v] for k, v in cursor.items()}
+        context = client.get("/search/", params).context
+        found = [ids.index(hit.item.pk) for hit in context["hits"]]
+        older, newer = context["older"], context["newer"]
+        return (
+            found,
+            None if older is None else ids.index(older),
+            None if newer is None else ids.index(newer),
+        )
+
+    # Newest first, across both batches: windows 25-26, 21-24, 13-20 (full
+    # once item 2 is found in 0-12).
+    assert page() == ([25, 20], 20, None)
+    # The last page: windows 18-19, 14-17, 6-13, 0-5 (the ids run out).
+    assert page(older=20) == ([2, 0], None, 2)
+    # Back: windows 3-4, 5-8, 9-16, 17-26 (the ids run out).
+    assert page(newer=2) == ([25, 20], 20, None)
+    # A cursor in the middle, on an item without the word.
+    assert page(older=10) == ([2, 0], None, 2)
+    assert page(newer=10) == ([25, 20], 20, None)
+    assert page(newer=26) == ([], None, None)
