@@ -14,6 +14,15 @@ from tests.support.factories import T0, make_batch
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
 
+
+@pytest.fixture(autouse=True)
+def statement_backend(settings):
+    """Only the statement backend prepares statements: the run of the suite
+    with ``RECALL_TRANSITIONS_BACKEND=orm`` has none to plan."""
+    if settings.RECALL_TRANSITIONS_BACKEND == "orm":
+        pytest.skip("the ORM backend prepares no statements")
+
+
 LABELS = {"gpu": "a100", "model": "large-v3"}
 
 
