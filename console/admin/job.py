@@ -31,7 +31,6 @@ from console.admin.support import (
     BigTableAdmin,
     Confirmation,
     ReadOnlyInline,
-    any_of,
     changelist_link,
     estimated_rows,
     id_chunks,
@@ -40,9 +39,9 @@ from console.admin.support import (
     link_to_id,
     log_change_by_id,
     log_changes,
+    or_transcript,
     render_confirmation,
     selects_across,
-    transcript_search,
 )
 from engine.sweep import sweep
 from jobs import transitions
@@ -245,11 +244,7 @@ class JobAdmin(BigTableAdmin):
         if job_id is not None:
             return queryset.filter(pk=job_id), False
         by_source = queryset.filter(item__source__contains=term)
-        search = transcript_search(term)
-        if search is None:
-            return by_source, False
-        by_transcript = jobs_with_transcript(queryset, search)
-        return any_of(queryset, by_source, by_transcript), False
+        return or_transcript(queryset, by_source, term, jobs_with_transcript), False
 
     # Columns and fields.
 

@@ -10,7 +10,7 @@ iteration over a selection's ids in short, separate queries.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -136,24 +136,27 @@ def id_search(queryset: QuerySet, term: str, field: str = "pk") -> QuerySet | No
     return queryset.filter(**{field: number})
 
 
-def transcript_search(term: str) -> Search | None:
-    """The transcript search ``term`` asks for (``jobs.search``), or None when
-    it has no word to look for, or too many: such a term searches the other
-    fields alone."""
+def or_transcript(
+    queryset: QuerySet,
+    others: QuerySet,
+    term: str,
+    match: Callable[[QuerySet, Search], QuerySet],
+) -> QuerySet:
+    """The rows of ``queryset`` that ``others`` selects, or whose transcript
+    has the words of ``term`` (``match``: ``jobs.search``'s match for this
+    model, the batch page's and /search/'s); ``others`` alone when ``term``
+    has no word to look for, or too many.
+
+    As ``pk IN (A UNION B)``: each side keeps its own plan, the other fields'
+    scan as before and the transcripts' full-text index; an OR of the two
+    conditions could use neither index, and would compute the text-search
+    vector of every completed job."""
     try:
-        return parse_search(term)
+        search = parse_search(term)
     except BadSearch:
-        return None
-
-
-def any_of(queryset: QuerySet, *choices: QuerySet) -> QuerySet:
-    """The rows of ``queryset`` that any of ``choices`` (querysets of the same
-    model) selects, as ``pk IN (A UNION B ...)``. Each choice keeps its own
-    plan, the source's scan as before and the transcripts' full-text index;
-    an OR of the two conditions could use neither index, and would compute
-    the text-search vector of every completed job."""
-    ids = [choice.order_by().values("pk") for choice in choices]
-    return queryset.filter(pk__in=ids[0].union(*ids[1:]))
+        return others
+    ids = [q.order_by().values("pk") for q in (others, match(queryset, search))]
+    return queryset.filter(pk__in=ids[0].union(ids[1]))
 
 
 class BatchFilter(admin.SimpleListFilter):

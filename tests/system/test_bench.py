@@ -25,6 +25,19 @@ from tests.support.factories import T0
 pytestmark = pytest.mark.postgres
 
 
+def run(*argv: str, timeout: int) -> str:
+    """What ``python -m argv...`` printed; it must exit 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return result.stdout
+
+
 @pytest.mark.django_db
 def test_seeded_rows_agree_like_the_transitions_leave_them():
     (holder, _), (claimer, _) = seed.workers(2)
@@ -80,16 +93,9 @@ def test_a_seed_keeps_analyze_off_its_tables_until_it_commits():
 
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
 def test_a_tiny_bench_run_prints_every_figure():
-    result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--processes", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    stdout = run("bench", "--quick", "--processes", "2", timeout=600)
 
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    rows = re.findall(r"^(\d+)\s{2,}(.*)$", result.stdout, re.MULTILINE)
+    rows = re.findall(r"^(\d+)\s{2,}(.*)$", stdout, re.MULTILINE)
     assert {n for n, _ in rows} == {
         *(str(n) for n in range(1, 16)),
         *(str(n) for n in range(17, 23)),
@@ -141,36 +147,22 @@ def test_a_tiny_bench_run_prints_every_figure():
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
 @pytest.mark.parametrize("kind", ["model", "http"])
 def test_the_hot_path_measure_runs_its_steps(kind):
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.hotpath", kind, "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    stdout = run("bench.hotpath", kind, "3", timeout=300)
 
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     assert re.search(
         rf"^{kind}: 3 claim \+ complete steps, [0-9.]+ ms of CPU each$",
-        result.stdout,
+        stdout,
         re.MULTILINE,
-    ), result.stdout
+    ), stdout
 
 
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
 def test_the_hot_path_measure_lists_the_statements_and_their_plans():
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.hotpath", "model", "20", "--statements"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    stdout = run("bench.hotpath", "model", "20", "--statements", timeout=300)
 
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     rows = {
         line.split(None, 5)[5][:20]: line.split()[:2]
-        for line in result.stdout.splitlines()[2:]
+        for line in stdout.splitlines()[2:]
     }
     # The claim and the completion, each once per step and never re-planned
     # (their plans were made in the warm-up: plan_cache_mode).
@@ -212,19 +204,13 @@ def test_the_scale_layout_is_the_issues_ten_million():
 
 @pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
 def test_a_tiny_scale_run_prints_every_figure_and_breaks_no_invariant():
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "bench", "--quick", "--processes", "2"),
-            *("--scale", "5k", "--scale-batches", "10"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    stdout = run(
+        *("bench", "--quick", "--processes", "2"),
+        *("--scale", "5k", "--scale-batches", "10"),
         timeout=600,
     )
 
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    rows = re.findall(r"^S\s{2,}(.*)$", result.stdout, re.MULTILINE)
+    rows = re.findall(r"^S\s{2,}(.*)$", stdout, re.MULTILINE)
     cells = [re.split(r"\s{2,}", row) for row in rows]
     assert [c[0] for c in cells] == [
         "seed",
