@@ -97,6 +97,13 @@ def operator(db):
 
 
 @pytest.fixture
+def superuser_client(django_user_model, client):
+    """The test client, logged in as a superuser (the admin's pages)."""
+    client.force_login(django_user_model.objects.create_superuser("root-admin"))
+    return client
+
+
+@pytest.fixture
 def stranger(db):
     """Logged in, but in no group: may see nothing."""
     return make_user("stranger")

@@ -21,12 +21,6 @@ pytestmark = pytest.mark.django_db
 LIST = "/admin/batches/batch/"
 
 
-@pytest.fixture
-def superuser_client(django_user_model, client):
-    client.force_login(django_user_model.objects.create_superuser("root-admin"))
-    return client
-
-
 def counts_shown(html: str) -> dict[str, int]:
     return {s: int(n) for s, n in re.findall(r'data-count="(\w+)">(\d+)<', html)}
 

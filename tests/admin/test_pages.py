@@ -25,12 +25,6 @@ READ_ONLY = {
 }
 
 
-@pytest.fixture
-def superuser_client(django_user_model, client):
-    client.force_login(django_user_model.objects.create_superuser("root-admin"))
-    return client
-
-
 def _one_of_everything(worker, superuser_client) -> dict:
     batch = make_batch(2)
     job = transitions.claim_next(worker, now=timezone.now())

@@ -17,12 +17,6 @@ pytestmark = pytest.mark.django_db
 LIST = "/admin/batches/batch/"
 
 
-@pytest.fixture
-def superuser_client(django_user_model, client):
-    client.force_login(django_user_model.objects.create_superuser("root-admin"))
-    return client
-
-
 def _form(batch: Batch, requires: str) -> dict:
     return {
         "name": batch.name,

@@ -36,12 +36,6 @@ TRANSCRIPTS = {
 
 
 @pytest.fixture
-def superuser_client(django_user_model, client):
-    client.force_login(django_user_model.objects.create_superuser("root-admin"))
-    return client
-
-
-@pytest.fixture
 def transcribed(worker) -> dict[str, Job]:
     """Three batches, every job completed with its TRANSCRIPTS entry; then
     calls-2 re-run (queued again: its transcript is an earlier run's)."""

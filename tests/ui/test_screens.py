@@ -12,12 +12,6 @@ from tests.support.factories import T0, later, make_batch
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def superuser_client(django_user_model, client):
-    client.force_login(django_user_model.objects.create_superuser("root-admin"))
-    return client
-
-
 def test_a_done_items_earlier_error_is_in_its_history_not_its_state(
     viewer_client, worker
 ):
