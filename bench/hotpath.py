@@ -22,7 +22,9 @@ metrics as gunicorn's processes keep them), without a socket or gunicorn
 request each, ``http_batched`` the same claim then one batched completion
 (row 21 less the server; CPU per step and per job). The queue is seeded
 fresh each run (bench/seed.py), finished jobs in front, and one job more than
-the steps take, so no step finishes the batch. ``--profile FILE`` writes a
+the steps take, so no step finishes the batch; ``--batches N`` spreads it over
+N open batches of one priority, so that each claim is charged to its batch's
+fair share as in row 11 (one batch has no share to charge). ``--profile FILE`` writes a
 cProfile of the steps (CPU time, so waits for the database do not count)
 instead.
 
@@ -150,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", help="write a cProfile of the steps here")
     parser.add_argument(
+        "--batches",
+        type=int,
+        default=1,
+        help="spread the queue over this many open batches (fair share, row 11)",
+    )
+    parser.add_argument(
         "--statements",
         action="store_true",
         help="also print each statement's plans and times (pg_stat_statements)",
@@ -171,10 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         seed.reset()
         ((worker, token),) = seed.workers(1, prefix="hotpath")
         per_step = 1 if args.kind in ("model", "http") else JOBS_PER_CLAIM
-        jobs = (WARM_UP + args.steps) * per_step + 1
-        seed.batch(
-            "hotpath", now=utcnow() - timedelta(seconds=1), completed=jobs, queued=jobs
-        )
+        # Every batch keeps a job more than the steps can take from it, so
+        # no step finishes one.
+        jobs = (WARM_UP + args.steps) * per_step // args.batches + 1
+        for n in range(args.batches):
+            seed.batch(
+                f"hotpath-{n}",
+                now=utcnow() - timedelta(seconds=1),
+                completed=jobs,
+                queued=jobs,
+                analyze=n == args.batches - 1,
+            )
         step = {
             "model": lambda: _model_step(worker),
             "http": lambda: _http_step(token),
