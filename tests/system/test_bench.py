@@ -141,6 +141,7 @@ def test_a_tiny_bench_run_prints_every_figure():
     searched = [c for c in cells if c[0] == "search"]
     assert len(searched) == 4
     assert searched[0][1].startswith("a batch of 2,000 transcripts")
+    assert "in rounds of without, with, with, without" in searched[3][1]
     assert re.match(r"[0-9.]+/s / [0-9.]+/s = [0-9.]+ \(CPU per", searched[3][2])
 
 
@@ -151,6 +152,18 @@ def test_the_hot_path_measure_runs_its_steps(kind):
 
     assert re.search(
         rf"^{kind}: 3 claim \+ complete steps, [0-9.]+ ms of CPU each$",
+        stdout,
+        re.MULTILINE,
+    ), stdout
+
+
+@pytest.mark.skipif(not available(), reason="PostgreSQL server binaries not installed")
+def test_the_hot_path_measure_spreads_its_queue_over_open_batches():
+    stdout = run("bench.hotpath", "model", "6", "--batches", "3", timeout=300)
+
+    assert re.search(
+        r"^model: 6 claim \+ complete steps, over 3 open batches, [0-9.]+ ms of CPU "
+        r"each$",
         stdout,
         re.MULTILINE,
     ), stdout
