@@ -220,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{args.kind}: {args.steps} claim + complete steps, "
             + (f"over {args.batches} open batches, " if args.batches > 1 else "")
-            + f"
-            f"{1000 * cpu / args.steps:.3f} ms of CPU each"
+            + f"{1000 * cpu / args.steps:.3f} ms of CPU each"
             + (
                 f" ({1000 * cpu / args.steps / per_step:.3f} ms per job)"
                 if per_step > 1
