@@ -154,16 +154,27 @@ def _create_index() -> float:
 
 def _completions(bench: Bench, results: list[dict]) -> tuple[float, float | None]:
     """Claim + complete per second, model layer, P processes, completing with
-    the transcripts ``results``, from the open batch of queued jobs; and the
-    CPU per claim + complete (the loops' and, on the private server,
-    PostgreSQL's: None on another server), less moved by other load."""
-    from bench import loops
+    the transcripts ``results``, from a fresh batch of queued jobs of its own
+    (paused afterwards, so that no run shares its claims with another's
+    leftovers); and the CPU per claim + complete (the loops' and, on the
+    private server, PostgreSQL's: None on another server), less moved by
+    other load."""
+    from batches.models import Batch
+    from bench import loops, seed
     from bench.cpu import cpu_seconds
+    from bench.loops import utcnow
 
+    queue = seed.batch(
+        f"bench-search-queue-{Batch.objects.count()}",
+        now=utcnow(),
+        queued=bench.sizes.throughput_jobs,
+        analyze=False,
+    )
     workers = _workers(bench.p)
     args = [{"worker": w.pk, "results": results} for w, _ in workers]
     before = cpu_seconds(bench.postmaster) if bench.postmaster else None
     reports = loops.run("model", args, duration=bench.sizes.throughput_seconds)
+    Batch.objects.filter(pk=queue.pk).update(paused_at=utcnow())
     done = sum(r["done"] for r in reports)
     if before is None or not done:
         return _rate(reports), None
@@ -193,10 +204,6 @@ def search(bench: Bench) -> None:
         analyze=False,
         done_result=TRANSCRIPT,
     )
-    # The completions' queue: a batch of its own (searches stay in the other),
-    # for four runs of completions a round.
-    jobs = int(sizes.throughput_jobs * 2 * max(1, sizes.runs))
-    seed.batch("bench-search-queue", now=now, queued=jobs, analyze=False)
     with connection.cursor() as cursor:
         cursor.execute("VACUUM ANALYZE jobs_job")
         cursor.execute("VACUUM ANALYZE batches_batchitem")
