@@ -201,3 +201,49 @@ def test_the_cap_holds_under_sixteen_concurrent_claimers():
     assert shares == {capped.pk: 3, other.pk: 29}
     assert Job.objects.filter(batch=capped, status=JobStatus.LEASED).count() == 3
     assert_consistent()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_takes_the_next_share_rather_than_wait_for_a_charge_to_commit():
+    """Claims that start together find the same least virtual time; one that
+    finds that batch's row held by another claim's charge takes the next
+    batch in share order at once, and the shares come out as claims in a row
+    would share them."""
+    import threading
+
+    from django.db import transaction
+
+    if transitions.backend().name != "postgres":
+        pytest.skip("row locks with SKIP LOCKED belong to the PostgreSQL backend")
+    first, second, third = (make_batch(4, name=n) for n in ("a", "b", "c"))
+    slow, quick = make_worker("slow"), make_worker("quick")
+    charging, release = threading.Event(), threading.Event()
+    held: list[int] = []
+
+    def claim_and_hold_the_commit():
+        try:
+            with transaction.atomic():
+                held.append(transitions.claim_next(slow, now=T0).batch_id)
+                charging.set()
+                release.wait(timeout=30)
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=claim_and_hold_the_commit)
+    holder.start()
+    try:
+        assert charging.wait(timeout=30)
+        assert held == [first.pk]
+        with transaction.atomic(), connections["default"].cursor() as cursor:
+            # Waiting for the held row fails this test instead of hanging it.
+            cursor.execute("SET LOCAL lock_timeout = '5s'")
+            taken = transitions.claim_next(quick, now=T0)
+        assert taken.batch_id == second.pk
+    finally:
+        release.set()
+        holder.join(timeout=30)
+
+    # Both charges stand: the third batch is next, then the rotation goes on.
+    assert _claim_batches(quick, 3) == [third.pk, first.pk, second.pk]
+    assert_consistent()
