@@ -500,10 +500,6 @@ CLAIM = _claim(
     result="SELECT turn.held, pick.* FROM turn LEFT JOIN pick ON true",
 )
 
-# How many candidate batches a claim's first statement reads: the first in
-# claim order, and those it may take instead when it is being charged.
-FIRST_CANDIDATES = 8
-
 
 def first_batch(*, skip_charged: bool) -> str:
     """The chores, the first open batch in claim order the worker can serve
@@ -515,21 +511,22 @@ def first_batch(*, skip_charged: bool) -> str:
     batch's row held to the claim's commit. Claims that start together all
     find the same least virtual time, and each would queue on that row
     behind the one before (with a thousand open batches, a third of the busy
-    backends did). With ``skip_charged`` such a claim locks the row it will
-    charge first and takes the first batch of the head's priority, in claim
-    order, whose row no other claim holds (SKIP LOCKED): a concurrent claim
-    goes to the next share in line instead of waiting for the first one's
-    commit, as it would once that commit had moved the first one back. One
-    claim at a time finds no row held, and takes exactly the head. When every
-    such row is held, ``first`` is empty and the caller takes the long way."""
+    backends did). With ``skip_charged`` such a claim walks the candidates of
+    the head's priority again, in claim order, locking the row it stops at
+    and stepping over rows other claims hold (``free``: SKIP LOCKED): a
+    concurrent claim goes to the next share in line instead of waiting for
+    the first one's commit, as it would once that commit had moved the first
+    one back. One claim at a time finds no row held and takes exactly the
+    head. When every row is held, ``first`` is empty and the caller takes
+    the long way."""
     free = (
-        sql(
-            """SELECT top.* FROM top JOIN {batch} b ON b.{batch.id} = top.id
-        WHERE (SELECT found FROM rival)
-          AND top.priority = (SELECT priority FROM head)
-        ORDER BY top.virtual_time, top.id LIMIT 1
-        FOR NO KEY UPDATE OF b SKIP LOCKED"""
+        candidates(
+            unless=sql(
+                "(SELECT found FROM rival) "
+                "AND b.{batch.priority} = (SELECT priority FROM head)"
+            )
         )
+        + "\n        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED"
         if skip_charged
         else "SELECT * FROM head WHERE (SELECT found FROM rival)"
     )
@@ -537,7 +534,7 @@ def first_batch(*, skip_charged: bool) -> str:
         SELECT {CHORES}
     ), top AS (
         {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
-        LIMIT {FIRST_CANDIDATES}
+        LIMIT 2
     ), head AS (
         SELECT * FROM top ORDER BY priority DESC, virtual_time, id LIMIT 1
     ), rival AS (
