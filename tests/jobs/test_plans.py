@@ -117,3 +117,41 @@ def test_a_claim_walks_the_claim_index_in_order_whatever_the_queue(
     assert claim(worker, labels, many) == leased
     # A handful of rows per job leased (the job, its checks), not the table.
     assert jobs_read() - before < 10 * leased
+
+
+def batches_read() -> int:
+    """Rows of the batches table this transaction has read."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT seq_tup_read + idx_tup_fetch FROM pg_stat_xact_user_tables "
+            "WHERE relname = 'batches_batch'"
+        )
+        return cursor.fetchone()[0]
+
+
+def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker):
+    """A claim among batches of one priority walks the open batches in share
+    order to the first it can serve, past every one it cannot (here 100 that
+    require a GPU the worker lacks, always ahead: nobody claims from them).
+    Charged to its batch's share, it then looks for the first batch no other
+    claim holds (``statements.first_batch``): that second look starts where
+    the first stopped. It walked from the start again, and read the hundred
+    twice per claim."""
+    for n in range(100):
+        transitions.set_requires(
+            make_batch(1, name=f"h100-{n}"), {"gpu": "h100"}, now=T0
+        )
+    served = [make_batch(20, name=f"a100-{n}") for n in range(2)]
+    with connection.cursor() as cursor:
+        # Planned for these tables, not for an earlier test's.
+        cursor.execute("ANALYZE batches_batch")
+        cursor.execute("DEALLOCATE ALL")
+    for _ in range(3):  # prepared, and planned the one time it will be
+        assert transitions.claim_next(worker, labels=LABELS, now=T0) is not None
+
+    before = batches_read()
+    job = transitions.claim_next(worker, labels=LABELS, now=T0)
+    assert job is not None and job.batch_id in {batch.pk for batch in served}
+    # The hundred once, and a few rows of the two served batches (found,
+    # locked, charged): 205 rows when the second look walked from the start.
+    assert 100 <= batches_read() - before < 115

@@ -512,8 +512,10 @@ def first_batch(*, skip_charged: bool) -> str:
     find the same least virtual time, and each would queue on that row
     behind the one before (with a thousand open batches, a third of the busy
     backends did). With ``skip_charged`` such a claim walks the candidates of
-    the head's priority again, in claim order, locking the row it stops at
-    and stepping over rows other claims hold (``free``: SKIP LOCKED): a
+    the head's priority again, in claim order from the head on (none before
+    it is a candidate, and a batch the worker cannot serve may stand before
+    it hundreds of times over), locking the row it stops at and stepping
+    over rows other claims hold (``free``: SKIP LOCKED): a
     concurrent claim goes to the next share in line instead of waiting for
     the first one's commit, as it would once that commit had moved the first
     one back. One claim at a time finds no row held and takes exactly the
@@ -523,7 +525,9 @@ def first_batch(*, skip_charged: bool) -> str:
         candidates(
             unless=sql(
                 "(SELECT found FROM rival) "
-                "AND b.{batch.priority} = (SELECT priority FROM head)"
+                "AND b.{batch.priority} = (SELECT priority FROM head) "
+                "AND (b.{batch.virtual_time}, b.{batch.id}) "
+                ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
             )
         )
         + "\n        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED"
