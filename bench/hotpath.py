@@ -4,7 +4,8 @@ machine does not move the figure: ``python -m bench.hotpath``.
 Throughput figures (``make bench`` rows 2 and 3) are wall-clock rates: on a
 shared machine they move by tens of percent from one hour to the next. This
 runs the same claim + complete in one process, one after another, and prints
-the CPU time per step; under callgrind the instruction count of those steps
+the CPU time per step, the app's and its database backends' (read from /proc:
+a server on this machine); under callgrind the instruction count of those steps
 alone, which is the same on a quiet machine and a busy one:
 
     valgrind --tool=callgrind --collect-atstart=no \\
@@ -13,7 +14,9 @@ alone, which is the same on a quiet machine and a busy one:
     grep ^summary hot.cg    # instructions of the 300 steps
 
 Only the measured steps run inside ``sys.call_tracing`` (which nothing else
-calls), so callgrind counts them and not Django's start-up. ``model`` calls
+calls), so callgrind counts them and not Django's start-up. ``raw`` sends row
+1's two statements (bench/loops.py) over psycopg, the floor the model layer
+is measured against; ``model`` calls
 ``transitions.claim_next`` and ``transitions.complete`` as bench/loops.py's
 model loop does (row 2); ``http`` sends the worker's two requests through
 Django's WSGI handler in process (every middleware, the views, the request
@@ -44,6 +47,7 @@ import argparse
 import io
 import json
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -63,6 +67,28 @@ def _model_step(worker) -> Callable[[], None]:
         if job is None:
             raise RuntimeError("the queue ran dry")
         transitions.complete(job, job.lease_token, worker=worker, result={"text": "ok"})
+
+    return step
+
+
+def _raw_step(batch: int, worker: int) -> Callable[[], None]:
+    """Row 1's two statements (bench/loops.py), as its loop sends them."""
+    import psycopg
+    from psycopg.types.json import Jsonb
+
+    from bench.loops import RAW_CLAIM, RAW_COMPLETE
+
+    # The database Django was set up on (bench.core._setup_django).
+    raw = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
+    result = Jsonb({"text": "ok"})
+
+    def step() -> None:
+        p = {"batch": batch, "worker": worker, "token": secrets.token_urlsafe(24)}
+        row = raw.execute(RAW_CLAIM, p, prepare=True).fetchone()
+        if row is None:
+            raise RuntimeError("the queue ran dry")
+        p.update(job=row[0], result=result)
+        raw.execute(RAW_COMPLETE, p, prepare=True)
 
     return step
 
@@ -145,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.hotpath", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("kind", choices=["model", "http", "http_many", "http_batched"])
+    parser.add_argument(
+        "kind", choices=["raw", "model", "http", "http_many", "http_batched"]
+    )
     parser.add_argument("steps", type=int, help="claim + complete steps to measure")
     parser.add_argument(
         "--database-url", help="a PostgreSQL database (default: a private server)"
@@ -163,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also print each statement's plans and times (pg_stat_statements)",
     )
     args = parser.parse_args(argv)
+    if args.kind == "raw" and args.batches > 1:
+        parser.error("raw claims from one batch, as row 1 does: no --batches")
 
     from bench.core import _setup_django, _start_database
+    from bench.cpu import cpu_seconds
 
     # As gunicorn's processes keep the request metrics (recall_site/metric_files.py).
     os.environ.setdefault(
@@ -178,12 +209,12 @@ def main(argv: list[str] | None = None) -> int:
 
         seed.reset()
         ((worker, token),) = seed.workers(1, prefix="hotpath")
-        per_step = 1 if args.kind in ("model", "http") else JOBS_PER_CLAIM
+        per_step = 1 if args.kind in ("raw", "model", "http") else JOBS_PER_CLAIM
         # Every batch keeps a job more than the steps can take from it, so
         # no step finishes one.
         jobs = (WARM_UP + args.steps) * per_step // args.batches + 1
         for n in range(args.batches):
-            seed.batch(
+            batch = seed.batch(
                 f"hotpath-{n}",
                 now=utcnow() - timedelta(seconds=1),
                 completed=jobs,
@@ -191,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 analyze=n == args.batches - 1,
             )
         step = {
+            "raw": lambda: _raw_step(batch.pk, worker.pk),
             "model": lambda: _model_step(worker),
             "http": lambda: _http_step(token),
             "http_many": lambda: _http_many_step(token, batched=False),
@@ -205,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.steps):
                 step()
 
+        backends = _backends()
+        database = sum(cpu_seconds(pid) for pid in backends)
         profiler = None
         if args.profile:
             import cProfile
@@ -214,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = time.process_time()
         sys.call_tracing(steps, ())
         cpu = time.process_time() - cpu
+        database = sum(cpu_seconds(pid) for pid in backends) - database
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(args.profile)
@@ -221,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.kind}: {args.steps} claim + complete steps, "
             + (f"over {args.batches} open batches, " if args.batches > 1 else "")
             + f"{1000 * cpu / args.steps:.3f} ms of CPU each"
+            + f" (and {1000 * database / args.steps:.3f} ms of the database's)"
             + (
                 f" ({1000 * cpu / args.steps / per_step:.3f} ms per job)"
                 if per_step > 1
@@ -233,6 +269,18 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.destroy()
     return 0
+
+
+def _backends() -> list[int]:
+    """The database's client backends (the steps' connections among them)."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT pid FROM pg_stat_activity
+            WHERE datname = current_database() AND backend_type = 'client backend'"""
+        )
+        return [pid for (pid,) in cursor.fetchall()]
 
 
 # The private server of --statements: the statistics module loaded, planning
