@@ -18,13 +18,21 @@ BENCH_ARGS ?=
 
 .PHONY: demo run test chaos bench docs lint typecheck format clean
 
+# pip retries a failed connection itself, not an index page cut short on its
+# way (a JSONDecodeError): three tries, so a registry's hiccup does not fail
+# `make run` or `make test` on a fresh machine.
+PIP_INSTALL = for try in 1 2 3; do \
+	$(PY) -m pip install --disable-pip-version-check -q -r $(1) && exit 0; \
+	echo "pip install -r $(1) failed (try $$try of 3)" >&2; sleep 5; \
+	done; exit 1
+
 $(VENV)/.runtime: requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	@$(call PIP_INSTALL,requirements.txt)
 	@touch $@
 
 $(VENV)/.dev: requirements.txt requirements-dev.txt requirements-bench.txt requirements-docs.txt $(VENV)/.runtime
-	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
+	@$(call PIP_INSTALL,requirements-dev.txt)
 	@touch $@
 
 demo: $(VENV)/.runtime
