@@ -37,7 +37,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
-from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -229,10 +228,17 @@ def new_webhook_id() -> str:
 
 def enqueue_on_commit(delivery_ids: list[int]) -> None:
     """Hand the deliveries to the cluster once the transaction commits. If the
-    broker is unreachable, the dispatcher finds them due anyway."""
-    if delivery_ids:
-        transaction.on_commit(partial(_enqueue, delivery_ids), robust=True)
+    broker is unreachable, the error is logged and the transition that wrote
+    them still succeeds: the dispatcher finds them due anyway.
 
+    A function of its own, not a ``functools.partial``: Django names a robust
+    hook that failed by its ``__qualname__``, which a partial lacks, and the
+    AttributeError of that log line turned a committed completion into a 500
+    (chaos through PgBouncer, a database restart)."""
+    if not delivery_ids:
+        return
 
-def _enqueue(delivery_ids: list[int]) -> None:
-    async_task(DELIVER_TASK, delivery_ids)
+    def enqueue_deliveries() -> None:
+        async_task(DELIVER_TASK, delivery_ids)
+
+    transaction.on_commit(enqueue_deliveries, robust=True)

@@ -12,9 +12,10 @@ transition backends) and on SQLite.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, OperationalError, connection
 from django.test.utils import override_settings
 
 from batches.models import Batch, BatchCounter, BatchItem, ItemStatus
@@ -29,6 +30,7 @@ from jobs.models import (
     WebhookEvent,
     WebhookEventType,
 )
+from jobs.transitions import outbox
 from tests.support.factories import (
     T0,
     assert_consistent,
@@ -450,3 +452,39 @@ def test_recall_check_reports_a_finish_without_its_event(worker):
         f"one-event-per-finish: batch {batch.pk} finished 1 time(s) but has 0 "
         f"batch.finished event(s)"
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hand_off_that_fails_after_the_commit_leaves_the_completion_done(
+    monkeypatch, caplog
+):
+    """The finishing completion's deliveries are handed to the cluster once
+    its transaction commits. When that hand-off fails (the database
+    restarting behind PgBouncer), the completion has happened all the same:
+    it returns, the error is logged, and the delivery waits for the
+    dispatcher. The hook was a ``functools.partial``, and Django's log line
+    for a failed hook reads its ``__qualname__``: the AttributeError made a
+    committed completion a 500."""
+    worker = make_worker()
+    endpoint = make_endpoint()
+    batch = make_batch(1)
+    job = claim(worker)
+
+    def broker_down(*args, **kwargs):
+        raise OperationalError("server conn crashed?")
+
+    monkeypatch.setattr(outbox, "async_task", broker_down)
+    with caplog.at_level(logging.ERROR):
+        _complete(worker, job, later(1))
+
+    [event] = finished_events(batch)
+    [delivery] = WebhookDelivery.objects.filter(event=event)
+    assert (delivery.endpoint_id, delivery.status, delivery.attempts) == (
+        endpoint.pk,
+        "pending",
+        0,
+    )
+    assert delivery.next_attempt_at == later(1)
+    assert Job.objects.get(pk=job.pk).status == JobStatus.COMPLETED
+    [record] = [r for r in caplog.records if "in on_commit()" in r.getMessage()]
+    assert "server conn crashed?" in record.getMessage()
