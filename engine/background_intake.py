@@ -10,7 +10,16 @@ rest with the same ``create_batch`` as the command and the small-form path.
 
 Safe to run twice: an intake is claimed by compare-and-set, and the batch and
 the intake's "done" commit in one transaction (``create_batch``'s
-``on_created``), so a re-delivered task finds it done and does nothing.
+``on_created``), so a re-delivered task finds it done and does nothing. Each
+claim counts an attempt, and a run writes its outcome only while the intake is
+still its attempt's (a fence, as a lease token is): a run that was taken over
+for being stale and then finished anyway rolls its batch back.
+
+Nothing waits for good: a task can be lost between the commit that stores the
+intake and the broker (the hand-off failed after the commit), or with a cluster
+killed mid-run. The sweep queues any intake that has not moved for
+``stale_after()`` again (``requeue_stranded``); a task that was only late finds
+it taken and does nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timedelta
-from typing import IO
+from typing import IO, Any
 
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
@@ -84,8 +93,7 @@ def start_intake(
         while data := upload.read(CHUNK_BYTES):
             IntakeChunk.objects.create(intake=intake, seq=seq, data=data)
             seq += 1
-        # The task gets the id once the rows it needs are committed.
-        transaction.on_commit(lambda: enqueue(intake.pk))
+        enqueue_on_commit([intake.pk])
     return intake
 
 
@@ -93,6 +101,48 @@ def enqueue(intake_id: int) -> None:
     from django_q.tasks import async_task
 
     async_task(TASK, intake_id, task_name=f"intake-{intake_id}")
+
+
+def enqueue_on_commit(intake_ids: list[int]) -> None:
+    """The tasks get their ids once the rows they need are committed. The hook
+    is robust: a hand-off that fails then (the broker unreachable) is logged,
+    and the committed intake waits for the sweep's ``requeue_stranded``
+    instead of failing the request that stored it."""
+
+    def enqueue_intakes() -> None:
+        for intake_id in intake_ids:
+            enqueue(intake_id)
+
+    transaction.on_commit(enqueue_intakes, robust=True)
+
+
+def requeue_stranded(*, now: datetime, limit: int = 100) -> list[int]:
+    """Queue the task again for each intake (up to ``limit``, oldest first)
+    that is queued or running and has not moved for ``stale_after()``: its
+    task never reached the broker, or the cluster running it died. Each is
+    queued again (a running one goes back to queued, its attempt over) and
+    stamped ``now``, so it is queued at most once per ``stale_after()``; a
+    task that was only waiting in the broker then finds it taken, or done,
+    and does nothing. Returns the ids queued again."""
+    stranded = Q(
+        status__in=(IntakeStatus.QUEUED, IntakeStatus.RUNNING),
+        updated_at__lt=now - stale_after(),
+    )
+    with transaction.atomic():
+        ids = list(
+            Intake.objects.filter(stranded)
+            .select_for_update(skip_locked=True)
+            .order_by("updated_at", "pk")
+            .values_list("pk", flat=True)[:limit]
+        )
+        Intake.objects.filter(pk__in=ids).update(
+            status=IntakeStatus.QUEUED, updated_at=now
+        )
+        if ids:
+            enqueue_on_commit(ids)
+    if ids:
+        log.warning("intakes %s had not moved for %s: queued again", ids, stale_after())
+    return ids
 
 
 def run_intake(intake_id: int, *, now: datetime | None = None) -> str:
@@ -115,6 +165,8 @@ def run_intake(intake_id: int, *, now: datetime | None = None) -> str:
     )
     if not claimed:
         return "skipped: not queued (done, failed, or running elsewhere)"
+    # This run's attempt: what it writes in the end, it writes only while the
+    # intake is still this attempt's (``_Superseded``).
     intake = Intake.objects.select_related("created_by").get(pk=intake_id)
     with tempfile.TemporaryFile() as spool:
         _download(intake, spool)
@@ -129,12 +181,16 @@ def run_intake(intake_id: int, *, now: datetime | None = None) -> str:
                 on_created=lambda batch: _finish(intake, batch),
                 requires=intake.requires,
             )
+        except _Superseded:
+            return _superseded(intake)
         except ManifestInvalid as invalid:
-            _fail(intake, errors=invalid.errors, total=invalid.total_errors)
+            if not _fail(intake, errors=invalid.errors, total=invalid.total_errors):
+                return _superseded(intake)
             return f"failed: {invalid.total_errors} problem(s)"
         except Exception as error:
             log.exception("intake %s failed", intake_id)
-            _fail(intake, detail=f"The intake failed unexpectedly ({error!r}).")
+            if not _fail(intake, detail=f"The intake failed unexpectedly ({error!r})."):
+                return _superseded(intake)
             return "failed: unexpected error"
     log.info("intake %s created batch %s (%s items)", intake_id, batch.pk, batch.total)
     return f"done: batch {batch.pk}"
@@ -190,21 +246,48 @@ class _Progress:
         )
 
 
-def _finish(intake: Intake, batch: Batch) -> None:
-    """Inside create_batch's transaction: the intake is done with the batch."""
-    Intake.objects.filter(pk=intake.pk).update(
-        status=IntakeStatus.DONE, batch=batch, updated_at=transitions.now()
+class _Superseded(Exception):
+    """The intake is no longer this run's attempt: raised inside
+    create_batch's transaction, it rolls the batch back."""
+
+
+def _superseded(intake: Intake) -> str:
+    log.warning(
+        "intake %s: attempt %s was taken over; its outcome is dropped",
+        intake.pk,
+        intake.attempts,
     )
+    return "skipped: taken over by a later attempt"
+
+
+def _ours(intake: Intake) -> Any:
+    """The intake's row while it is still this run's attempt."""
+    return Intake.objects.filter(
+        pk=intake.pk, status=IntakeStatus.RUNNING, attempts=intake.attempts
+    )
+
+
+def _finish(intake: Intake, batch: Batch) -> None:
+    """Inside create_batch's transaction: the intake is done with the batch,
+    if it is still this attempt's (else _Superseded, and nothing is kept)."""
+    if not _ours(intake).update(
+        status=IntakeStatus.DONE, batch=batch, updated_at=transitions.now()
+    ):
+        raise _Superseded
     IntakeChunk.objects.filter(intake=intake).delete()
 
 
-def _fail(intake: Intake, *, errors=(), total: int = 0, detail: str = "") -> None:
+def _fail(intake: Intake, *, errors=(), total: int = 0, detail: str = "") -> bool:
+    """The intake failed, if it is still this attempt's (else False, and the
+    later attempt's run decides)."""
     with transaction.atomic():
-        Intake.objects.filter(pk=intake.pk).update(
+        if not _ours(intake).update(
             status=IntakeStatus.FAILED,
             errors=[{"line": e.line, "message": e.message} for e in errors],
             total_errors=total,
             detail=detail,
             updated_at=transitions.now(),
-        )
+        ):
+            return False
         IntakeChunk.objects.filter(intake=intake).delete()
+    return True

@@ -1,5 +1,6 @@
-"""The sweep: reclaim expired leases, reconcile, settle finished batches (and,
-with ``RECALL_RETENTION_DAYS``, purge a bounded share of old ones).
+"""The sweep: reclaim expired leases, reconcile, settle finished batches, queue
+stranded background intakes again (and, with ``RECALL_RETENTION_DAYS``, purge a
+bounded share of old ones).
 
 One function serves the django-q2 schedule (``engine.tasks.sweep``), the
 ``recall_sweep`` command and start-up. It is safe to run several at once:
@@ -21,6 +22,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q
 
+from engine.background_intake import requeue_stranded
 from engine.reconcile import reconcile, sweep_state
 from engine.retention import purge
 from jobs import transitions
@@ -51,6 +53,7 @@ def sweep(*, now: datetime | None = None, full: bool = False) -> dict[str, Any]:
         healed = reconcile(now=now, scan_budget=None if full else budget, recount=full)
         report["reconcile"] = healed.as_dict()
         report["batches_finished"] = transitions.settle(now=now)
+        report["intakes_requeued"] = len(requeue_stranded(now=now))
         retention = timedelta(hours=settings.RECALL_THROUGHPUT_RETENTION_HOURS)
         transitions.drop_throughput(before=now - retention)
         if settings.RECALL_RETENTION_DAYS is not None:

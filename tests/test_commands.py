@@ -121,6 +121,8 @@ def test_recall_sweep_prints_counts_and_a_json_report(worker):
     report = json.loads(lines[-1])
     assert report["reclaimed"] == {"requeued": 1, "failed": 0}
     assert report["reconcile"]["items_healed"] == 0
+    assert "intakes queued again: 0" in lines
+    assert report["intakes_requeued"] == 0
     assert sweep_state().last_finished_at is not None
 
 

@@ -6,13 +6,14 @@ from datetime import timedelta
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.db import connection
+from django.db import OperationalError, connection
 from django_q.models import OrmQ
 
 from batches.intake_records import Intake, IntakeChunk, IntakePhase, IntakeStatus
 from batches.models import Batch, BatchItem
 from engine import background_intake as background
 from engine.manifests import ManifestInvalid, create_batch
+from engine.sweep import sweep
 from engine.tasks import run_intake
 from tests.support.factories import T0, assert_consistent, failpoint, later, make_user
 
@@ -183,3 +184,121 @@ def test_stale_after_follows_the_clusters_retry(settings):
     settings.Q_CLUSTER = {**settings.Q_CLUSTER, "retry": 120}
 
     assert background.stale_after() == timedelta(seconds=120)
+
+
+# --- Nothing waits for good: the sweep queues a stranded intake again ---------
+
+
+def test_an_intake_whose_task_never_reached_the_broker_is_queued_again(
+    small_chunks, django_capture_on_commit_callbacks
+):
+    # The hand-off after the commit never ran: the intake is stored, no task.
+    intake = background.start_intake("Calls", upload(manifest(20)), now=T0)
+    assert not OrmQ.objects.exists()
+
+    assert sweep(now=later(299))["intakes_requeued"] == 0
+    with django_capture_on_commit_callbacks(execute=True):
+        assert sweep(now=later(301))["intakes_requeued"] == 1
+
+    (queued,) = OrmQ.objects.all()
+    assert (queued.task["func"], queued.task["args"]) == (
+        "engine.tasks.run_intake",
+        (intake.pk,),
+    )
+    intake.refresh_from_db()
+    assert (intake.status, intake.updated_at) == (IntakeStatus.QUEUED, later(301))
+    # Queued again at most once per stale_after(): the task may be waiting.
+    assert background.requeue_stranded(now=later(600)) == []
+    assert background.requeue_stranded(now=later(602)) == [intake.pk]
+
+    assert run_intake(intake.pk).startswith("done: batch ")
+    assert Batch.objects.get().total == 20
+    assert background.requeue_stranded(now=later(10_000)) == []
+
+
+def test_a_running_intake_whose_cluster_died_is_queued_again_and_finished(
+    small_chunks, django_capture_on_commit_callbacks
+):
+    intake = background.start_intake("Calls", upload(manifest(20)), now=T0)
+    # A cluster claimed it at T0 and died: nobody delivers its task again.
+    Intake.objects.filter(pk=intake.pk).update(status=IntakeStatus.RUNNING, attempts=1)
+    OrmQ.objects.all().delete()
+    fresh = background.start_intake("Later", upload(manifest(5)), now=later(200))
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert background.requeue_stranded(now=later(301)) == [intake.pk]
+
+    intake.refresh_from_db()
+    assert (intake.status, intake.attempts) == (IntakeStatus.QUEUED, 1)
+    assert [q.task["args"] for q in OrmQ.objects.all()] == [(intake.pk,)]
+    assert run_intake(intake.pk).startswith("done: batch ")
+    intake.refresh_from_db()
+    assert (intake.status, intake.attempts) == (IntakeStatus.DONE, 2)
+    assert Intake.objects.get(pk=fresh.pk).status == IntakeStatus.QUEUED
+
+
+def test_a_run_taken_over_for_being_stale_keeps_nothing_of_its_own(
+    small_chunks, monkeypatch
+):
+    intake = background.start_intake("Calls", upload(manifest(20)), now=T0)
+    download = background._download
+
+    def taken_over_meanwhile(intake, spool):
+        # While attempt 1 reads the manifest, the sweep finds the intake
+        # stale and a second delivery runs it to the end.
+        download(intake, spool)
+        monkeypatch.setattr(background, "_download", download)
+        Intake.objects.filter(pk=intake.pk).update(updated_at=T0)
+        assert background.requeue_stranded(now=later(301)) == [intake.pk]
+        assert run_intake(intake.pk).startswith("done: batch ")
+
+    monkeypatch.setattr(background, "_download", taken_over_meanwhile)
+
+    assert run_intake(intake.pk) == "skipped: taken over by a later attempt"
+
+    intake.refresh_from_db()
+    assert (intake.status, intake.attempts) == (IntakeStatus.DONE, 2)
+    assert Batch.objects.get() == intake.batch  # attempt 1's rolled back
+    assert BatchItem.objects.count() == 20
+    assert_consistent()
+
+
+def test_a_run_taken_over_does_not_fail_the_later_attempt(small_chunks, monkeypatch):
+    intake = background.start_intake(
+        "Calls", upload(manifest(20, bad={3: "nope\n"})), now=T0
+    )
+    download = background._download
+
+    def taken_over_meanwhile(intake, spool):
+        download(intake, spool)
+        Intake.objects.filter(pk=intake.pk).update(
+            status=IntakeStatus.RUNNING, attempts=2
+        )
+
+    monkeypatch.setattr(background, "_download", taken_over_meanwhile)
+
+    assert run_intake(intake.pk) == "skipped: taken over by a later attempt"
+
+    intake.refresh_from_db()
+    assert (intake.status, intake.attempts) == (IntakeStatus.RUNNING, 2)
+    assert (intake.errors, intake.total_errors) == ([], 0)
+    assert IntakeChunk.objects.filter(intake=intake).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hand_off_that_fails_after_the_commit_keeps_the_stored_intake(
+    small_chunks, monkeypatch, caplog
+):
+    def broker_down(*args, **kwargs):
+        raise OperationalError("the broker is unreachable")
+
+    monkeypatch.setattr("django_q.tasks.async_task", broker_down)
+
+    intake = background.start_intake("Calls", upload(manifest(20)), now=T0)
+
+    assert Intake.objects.get(pk=intake.pk).status == IntakeStatus.QUEUED
+    assert IntakeChunk.objects.filter(intake=intake).exists()
+    assert "the broker is unreachable" in caplog.text
+    monkeypatch.undo()
+    assert background.requeue_stranded(now=later(301)) == [intake.pk]
+    assert [q.task["args"] for q in OrmQ.objects.all()] == [(intake.pk,)]

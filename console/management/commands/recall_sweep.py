@@ -34,4 +34,5 @@ class Command(BaseCommand):
             healed = ", ".join(f"{k} {v}" for k, v in reconcile.items())
             self.stdout.write(f"reconcile: {healed}")
             self.stdout.write(f"batches finished: {report['batches_finished']}")
+            self.stdout.write(f"intakes queued again: {report['intakes_requeued']}")
         self.stdout.write(json.dumps(report, sort_keys=True))
