@@ -47,7 +47,6 @@ import argparse
 import io
 import json
 import os
-import secrets
 import sys
 import tempfile
 import time
@@ -72,23 +71,18 @@ def _model_step(worker) -> Callable[[], None]:
 
 
 def _raw_step(batch: int, worker: int) -> Callable[[], None]:
-    """Row 1's two statements (bench/loops.py), as its loop sends them."""
+    """Row 1's two statements, as its loop sends them (bench/loops.py)."""
     import psycopg
-    from psycopg.types.json import Jsonb
 
-    from bench.loops import RAW_CLAIM, RAW_COMPLETE
+    from bench.loops import raw_step
 
     # The database Django was set up on (bench.core._setup_django).
     raw = psycopg.connect(os.environ["DATABASE_URL"], autocommit=True)
-    result = Jsonb({"text": "ok"})
+    claim_and_complete = raw_step(raw, batch=batch, worker=worker)
 
     def step() -> None:
-        p = {"batch": batch, "worker": worker, "token": secrets.token_urlsafe(24)}
-        row = raw.execute(RAW_CLAIM, p, prepare=True).fetchone()
-        if row is None:
+        if not claim_and_complete():
             raise RuntimeError("the queue ran dry")
-        p.update(job=row[0], result=result)
-        raw.execute(RAW_COMPLETE, p, prepare=True)
 
     return step
 

@@ -169,6 +169,26 @@ RAW_COMPLETE = """
 """
 
 
+def raw_step(connection, *, batch: int, worker: int) -> Callable[[], bool]:
+    """Row 1's claim and its completion, the two statements each in its own
+    transaction (``connection`` in autocommit): one step, False when the queue
+    ran dry. Row 1's loop and ``python -m bench.hotpath raw`` both take it."""
+    from psycopg.types.json import Jsonb
+
+    result = Jsonb({"text": "ok"})
+
+    def step() -> bool:
+        p = {"batch": batch, "worker": worker, "token": secrets.token_urlsafe(24)}
+        row = connection.execute(RAW_CLAIM, p, prepare=True).fetchone()
+        if row is None:
+            return False
+        p.update(job=row[0], result=result)
+        connection.execute(RAW_COMPLETE, p, prepare=True)
+        return True
+
+    return step
+
+
 @loop
 def raw(args: dict, started) -> dict:
     """Recall's per-job writes as hand-written SQL over psycopg: no Django, no HTTP.
@@ -179,26 +199,15 @@ def raw(args: dict, started) -> dict:
     way to make those writes atomically.
     """
     import psycopg
-    from psycopg.types.json import Jsonb
 
     if started is None:
         return {}
     connection = psycopg.connect(args["dsn"], autocommit=True)
     _, deadline = started
     done, began = 0, time.perf_counter()
-    result = Jsonb({"text": "ok"})
+    step = raw_step(connection, batch=args["batch"], worker=args["worker"])
     with connection:
-        while time.time() < deadline:
-            p = {
-                "batch": args["batch"],
-                "worker": args["worker"],
-                "token": secrets.token_urlsafe(24),
-            }
-            row = connection.execute(RAW_CLAIM, p, prepare=True).fetchone()
-            if row is None:
-                break
-            p.update(job=row[0], result=result)
-            connection.execute(RAW_COMPLETE, p, prepare=True)
+        while time.time() < deadline and step():
             done += 1
     return {"done": done, "elapsed": time.perf_counter() - began}
 
