@@ -156,3 +156,38 @@ def test_a_claim_reads_the_batches_a_few_times_however_many_jobs_wait(worker, qu
     job = transitions.claim_next(worker, labels=LABELS, now=T0)
     assert job is not None and job.batch_id in {batch.pk for batch in served}
     assert batches_read() - before <= 5 * 102
+
+
+def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker, monkeypatch):
+    """A claim among batches of one priority walks the open batches in share
+    order to the first it can serve, past every one it cannot (here 300 that
+    require a GPU the worker lacks, always ahead: nobody claims from them).
+    Charged to its batch's share, it then looks for the first batch no other
+    claim holds (``statements.first_batch``): that second look starts at the
+    head, where the first stopped. Walking from the start again it read the
+    300 twice per claim (605 rows). Three hundred batches are enough for the
+    plan to walk the batches in claim order whatever earlier tests left in
+    the tables (with a few dozen, it may scan them whole instead)."""
+    from jobs.transitions.backends.postgres import PostgresBackend
+
+    ahead = 300
+    for n in range(ahead):
+        transitions.set_requires(
+            make_batch(1, name=f"h100-{n}"), {"gpu": "h100"}, now=T0
+        )
+    served = [make_batch(20, name=f"a100-{n}") for n in range(2)]
+    with connection.cursor() as cursor:
+        # Planned for these tables, as they are now.
+        for table in ("batches_batch", "batches_batchitem", "jobs_job", "jobs_lease"):
+            cursor.execute(f"ANALYZE {table}")
+        cursor.execute("DEALLOCATE ALL")
+    for _ in range(3):  # prepared, and planned the one time it will be
+        assert transitions.claim_next(worker, labels=LABELS, now=T0) is not None
+    monkeypatch.setattr(PostgresBackend, "rivals", True)  # the look is made
+
+    before = batches_read()
+    job = transitions.claim_next(worker, labels=LABELS, now=T0)
+    assert job is not None and job.batch_id in {batch.pk for batch in served}
+    # The 300 once, and a few rows of the two served batches (found, locked,
+    # charged): 305.
+    assert ahead <= batches_read() - before < ahead + 15
