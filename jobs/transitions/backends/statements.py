@@ -531,19 +531,26 @@ def first_batch(*, skip_charged: bool) -> str:
     the first one's commit, as it would once that commit had moved the first
     one back. One claim at a time finds no row held and takes exactly the
     head. When every row is held, ``first`` is empty and the caller takes
-    the long way."""
-    free = (
-        candidates(
-            unless=sql(
-                "(SELECT found FROM rival) "
-                "AND b.{batch.priority} = (SELECT priority FROM head) "
-                "AND (b.{batch.virtual_time}, b.{batch.id}) "
-                ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
-            )
+    the long way. Without ``skip_charged``, ``first`` is the head."""
+    free = candidates(
+        unless=sql(
+            "(SELECT found FROM rival) "
+            "AND b.{batch.priority} = (SELECT priority FROM head) "
+            "AND (b.{batch.virtual_time}, b.{batch.id}) "
+            ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
         )
-        + "\n        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED"
+    )
+    first = (
+        f"""free AS (
+        {free}
+        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED
+    ), first AS (
+        SELECT * FROM head WHERE NOT (SELECT found FROM rival)
+        UNION ALL
+        SELECT * FROM free
+    ),"""
         if skip_charged
-        else "SELECT * FROM head WHERE (SELECT found FROM rival)"
+        else "first AS (SELECT * FROM head),"
     )
     return f"""chores AS (
         SELECT {CHORES}
@@ -557,13 +564,7 @@ def first_batch(*, skip_charged: bool) -> str:
             SELECT 1 FROM top, head
             WHERE top.id <> head.id AND top.priority = head.priority
         ) AS found
-    ), free AS (
-        {free}
-    ), first AS (
-        SELECT * FROM head WHERE NOT (SELECT found FROM rival)
-        UNION ALL
-        SELECT * FROM free
-    ),"""
+    ), {first}"""
 
 
 def claim_first(*, skip_charged: bool) -> str:
