@@ -406,12 +406,11 @@ def _claim(
     and item's columns as they were, the batch's name, whether such a stray
     ledger row exists, and the lease's times.
 
-    The batch's row is read once (``chosen_batch``: the batch, if it is open
-    and the worker serves it) and handed to the pick as values (its id and
-    name), never joined to the jobs: the plan is generic, made for the
-    average batch, and when that guessed few queued jobs per batch the join
-    read the batches table once for every queued job of the batch
-    (tests/jobs/test_plans.py).
+    The batch's row is read once, by subqueries that do not depend on the job
+    (its checks a one-time filter, its name a value), never joined to the
+    jobs: the plan is generic, made for the average batch, and when that
+    guessed few queued jobs per batch the join read the batches table once
+    for every queued job of the batch (tests/jobs/test_plans.py).
 
     Up to ``limit`` jobs (an SQL expression; 1 by default) for a claim of
     many (``CLAIM_MANY``): ``numbered`` then adds a column to ``clean`` (each
@@ -420,21 +419,22 @@ def _claim(
     that sums the moves per shard: ``shift_and_record``)."""
     single = token == "%(token)s"
     return sql(
-        """WITH {prelude} chosen_batch AS MATERIALIZED (
-        SELECT b.{batch.id} AS id, b.{batch.name} AS name FROM {batch} b
-        WHERE b.{batch.id} = {batch_id}
-          AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
-          AND {serves}
-    ), pick AS (
+        """WITH {prelude} pick AS (
         SELECT {job_columns}, {item_columns},
-            (SELECT name FROM chosen_batch) AS batch_name,
+            (SELECT b.{batch.name} FROM {batch} b WHERE b.{batch.id} = {batch_id})
+                AS batch_name,
             EXISTS (SELECT 1 FROM {lease} l
                     WHERE l.{lease.job} = j.{job.id} AND l.{lease.ended_at} IS NULL)
                 AS stray_lease,
             {now} AS at, {now} + {lease_seconds} AS expires
         FROM {job} j
         JOIN {item} i ON i.{item.id} = j.{job.item}
-        WHERE j.{job.batch} = (SELECT id FROM chosen_batch) AND {claimable}
+        WHERE j.{job.batch} = {batch_id} AND {claimable}
+          AND EXISTS (
+            SELECT 1 FROM {batch} b WHERE b.{batch.id} = {batch_id}
+              AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+              AND {serves}
+          )
           AND {job_serves}
           AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT {limit}
