@@ -204,53 +204,18 @@ def test_the_cap_holds_under_sixteen_concurrent_claimers():
 
 
 @pytest.mark.postgres
-def test_claims_step_over_held_shares_while_the_last_claim_found_a_rival(
-    worker, monkeypatch
-):
-    """The PostgreSQL backend's hint (``PostgresBackend.rivals``): a claim
-    that finds no other batch of its priority with work turns the stepping
-    over held shares off for the next claim (a smaller statement), one that
-    finds such a rival turns it back on; the claims are the same either way."""
-    if transitions.backend().name != "postgres":
-        pytest.skip("the hint belongs to the PostgreSQL backend")
-    from jobs.transitions.backends.postgres import PostgresBackend
-
-    monkeypatch.setattr(PostgresBackend, "rivals", True)
-    alone = make_batch(3, name="alone")
-    assert _claim_batches(worker, 1) == [alone.pk]
-    assert PostgresBackend.rivals is False
-
-    rival = make_batch(3, name="rival")
-    assert _claim_batches(worker, 1) == [alone.pk]  # uncharged alone: a tie
-    assert PostgresBackend.rivals is True
-    assert _claim_batches(worker, 2) == [rival.pk, alone.pk]
-    assert PostgresBackend.rivals is True
-    # alone's last job went: rival is alone now.
-    assert _claim_batches(worker, 1) == [rival.pk]
-    assert PostgresBackend.rivals is False
-    assert_consistent()
-
-
-@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("rivals_seen", [True, False])
-def test_a_claim_takes_the_next_share_rather_than_wait_for_a_charge_to_commit(
-    rivals_seen, monkeypatch
-):
+def test_a_claim_takes_the_next_share_rather_than_wait_for_a_charge_to_commit():
     """Claims that start together find the same least virtual time; one that
     finds that batch's row held by another claim's charge takes the next
     batch in share order at once, and the shares come out as claims in a row
-    would share them. So too when the claim before them found no rival (the
-    backend's hint): the first claim to find one turns the stepping over on."""
+    would share them."""
     import threading
 
     from django.db import transaction
 
     if transitions.backend().name != "postgres":
         pytest.skip("row locks with SKIP LOCKED belong to the PostgreSQL backend")
-    from jobs.transitions.backends.postgres import PostgresBackend
-
-    monkeypatch.setattr(PostgresBackend, "rivals", rivals_seen)
     first, second, third = (make_batch(4, name=n) for n in ("a", "b", "c"))
     slow, quick = make_worker("slow"), make_worker("quick")
     charging, release = threading.Event(), threading.Event()

@@ -136,16 +136,6 @@ class PostgresBackend(OrmBackend):
 
     name = "postgres"
 
-    # Whether this process's last claim found a rival (another open batch of
-    # its first batch's priority with work): claims that start together then
-    # find the same share first, and CLAIM_FIRST steps over one another
-    # claim's charge holds. With none, CLAIM_FIRST_LEAN makes the same claim
-    # with a smaller plan (statements.claim_first). A hint, shared by the
-    # process's threads: the first claim to find a rival after a spell of
-    # none may wait for a charge to commit, and turns the stepping over on
-    # for the claims after it.
-    rivals = True
-
     def __init__(self, connection: BaseDatabaseWrapper, chores: Chores) -> None:
         super().__init__(connection, chores)
         self.prepare = settings.RECALL_PREPARED_STATEMENTS
@@ -221,17 +211,14 @@ class PostgresBackend(OrmBackend):
         # which takes the worker's turn and checks its cap too.
         token = new_lease_token()
         row = self._claim_row(
-            statements.CLAIM_FIRST
-            if PostgresBackend.rivals
-            else statements.CLAIM_FIRST_LEAN,
+            statements.CLAIM_FIRST,
             {
                 **self._claim_params(worker, labels, token, now, max_leases),
                 "cancel_grace": CANCEL_GRACE,
             },
         )
         if row is not RACED:
-            expired, cancelling, first_batch, rival, at, held, *picked = row
-            PostgresBackend.rivals = bool(rival)
+            expired, cancelling, first_batch, at, held, *picked = row
             if held is not None:
                 self._check_turn(worker, held, max_leases)
             if picked[0] is not None:  # a job row joined

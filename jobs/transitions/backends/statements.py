@@ -531,26 +531,19 @@ def first_batch(*, skip_charged: bool) -> str:
     the first one's commit, as it would once that commit had moved the first
     one back. One claim at a time finds no row held and takes exactly the
     head. When every row is held, ``first`` is empty and the caller takes
-    the long way. Without ``skip_charged``, ``first`` is the head."""
-    free = candidates(
-        unless=sql(
-            "(SELECT found FROM rival) "
-            "AND b.{batch.priority} = (SELECT priority FROM head) "
-            "AND (b.{batch.virtual_time}, b.{batch.id}) "
-            ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
+    the long way."""
+    free = (
+        candidates(
+            unless=sql(
+                "(SELECT found FROM rival) "
+                "AND b.{batch.priority} = (SELECT priority FROM head) "
+                "AND (b.{batch.virtual_time}, b.{batch.id}) "
+                ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
+            )
         )
-    )
-    first = (
-        f"""free AS (
-        {free}
-        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED
-    ), first AS (
-        SELECT * FROM head WHERE NOT (SELECT found FROM rival)
-        UNION ALL
-        SELECT * FROM free
-    ),"""
+        + "\n        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED"
         if skip_charged
-        else "first AS (SELECT * FROM head),"
+        else "SELECT * FROM head WHERE (SELECT found FROM rival)"
     )
     return f"""chores AS (
         SELECT {CHORES}
@@ -564,45 +557,36 @@ def first_batch(*, skip_charged: bool) -> str:
             SELECT 1 FROM top, head
             WHERE top.id <> head.id AND top.priority = head.priority
         ) AS found
-    ), {first}"""
+    ), free AS (
+        {free}
+    ), first AS (
+        SELECT * FROM head WHERE NOT (SELECT found FROM rival)
+        UNION ALL
+        SELECT * FROM free
+    ),"""
 
 
-def claim_first(*, skip_charged: bool) -> str:
-    """The common case in one statement: nothing to do first, and the first
-    open batch in claim order is uncapped and has a job no other claim holds.
-    Returns the chores' flags, the first batch, whether it has a rival, the
-    statement's instant, and the job as CLAIM does if there was one (else
-    NULLs): when there is none the caller takes the long way (CLAIM_PLAN,
-    then CLAIM per candidate batch), which also covers chores, capped batches,
-    and taken or drifted rows. The claim is charged to the batch's share when
-    a second open batch of its priority has work too (a rival). The worker's
-    turn is taken only when there is such a batch (an idle claim takes no
-    lock); its count is returned after the instant (NULL when not taken).
-
-    ``skip_charged`` as in ``first_batch``: with it (CLAIM_FIRST) a claim
-    steps over a share another claim's charge holds; without it
-    (CLAIM_FIRST_LEAN) it waits for that charge to commit. Both claim the
-    same job when claims come one at a time. The lean one's plan lacks the
-    second walk of the candidates, and PostgreSQL sets up every node of a
-    plan on each execution, unused or not: with one open batch it saves
-    about 8% of the database's CPU per claim and completion."""
-    return _claim(
-        prelude=first_batch(skip_charged=skip_charged)
-        + f""" turn AS (
+# The common case in one statement: nothing to do first, and the first open
+# batch in claim order is uncapped and has a job no other claim holds. Returns
+# the chores' flags, the first batch, the statement's instant, and the job as
+# CLAIM does if there was one (else NULLs): when there is none the caller takes
+# the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also covers
+# chores, capped batches, and taken or drifted rows. The claim is charged to
+# the batch's share when a second open batch of its priority has work too. The
+# worker's turn is taken only when there is such a batch (an idle claim takes
+# no lock); its count is returned after the first batch (NULL when not taken).
+CLAIM_FIRST = _claim(
+    prelude=first_batch(skip_charged=True)
+    + f""" turn AS (
         SELECT {TURN} AS held FROM first WHERE NOT capped
     ),""",
-        batch_id="(SELECT id FROM first WHERE NOT capped)",
-        charge="(SELECT found FROM rival)",
-        result=sql(
-            "SELECT chores.*, (SELECT id FROM head), (SELECT found FROM rival), "
-            "{now} AS at, (SELECT held FROM turn), pick.* "
-            "FROM chores LEFT JOIN pick ON true"
-        ),
-    )
-
-
-CLAIM_FIRST = claim_first(skip_charged=True)
-CLAIM_FIRST_LEAN = claim_first(skip_charged=False)
+    batch_id="(SELECT id FROM first WHERE NOT capped)",
+    charge="(SELECT found FROM rival)",
+    result=sql(
+        "SELECT chores.*, (SELECT id FROM head), {now} AS at, "
+        "(SELECT held FROM turn), pick.* FROM chores LEFT JOIN pick ON true"
+    ),
+)
 
 # Many jobs in one statement (a claim of ``%(n)s`` jobs, ``max_jobs``), when that
 # is exactly what as many single claims in a row would take: nothing to do
