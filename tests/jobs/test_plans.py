@@ -158,7 +158,7 @@ def test_a_claim_reads_the_batches_a_few_times_however_many_jobs_wait(worker, qu
     assert batches_read() - before <= 5 * 102
 
 
-def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker, monkeypatch):
+def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker):
     """A claim among batches of one priority walks the open batches in share
     order to the first it can serve, past every one it cannot (here 300 that
     require a GPU the worker lacks, always ahead: nobody claims from them).
@@ -168,8 +168,6 @@ def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker, monkeyp
     300 twice per claim (605 rows). Three hundred batches are enough for the
     plan to walk the batches in claim order whatever earlier tests left in
     the tables (with a few dozen, it may scan them whole instead)."""
-    from jobs.transitions.backends.postgres import PostgresBackend
-
     ahead = 300
     for n in range(ahead):
         transitions.set_requires(
@@ -183,7 +181,6 @@ def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker, monkeyp
         cursor.execute("DEALLOCATE ALL")
     for _ in range(3):  # prepared, and planned the one time it will be
         assert transitions.claim_next(worker, labels=LABELS, now=T0) is not None
-    monkeypatch.setattr(PostgresBackend, "rivals", True)  # the look is made
 
     before = batches_read()
     job = transitions.claim_next(worker, labels=LABELS, now=T0)
