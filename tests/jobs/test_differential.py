@@ -104,6 +104,18 @@ CASES = {
         ("pause", 0),
         ("claim_many", 2, 4),
     ],
+    "a claim of many heals a stray row in its place, as single claims would": [
+        # Found by the state machine: the statement leased b1's first and
+        # third jobs and the single claims after it the healed second, last.
+        ("stray_lease", 5, 0),  # b1's second job has an open ledger row
+        ("claim_many", 0, 32),  # 4, then 5 healed, 6, then b0 and b2 share
+    ],
+    "a claim of many whose first job drifted: single claims from the start": [
+        ("drift_item", 4, "transcribing"),  # b1's first job's item drifted
+        ("stray_lease", 6, 1),  # and its third has an open ledger row
+        ("claim_many", 0, 3),  # 4 healed, 5, 6 healed
+        ("claim_many", 1, 2),  # b0 and b2 share
+    ],
     "retryable failure backs off, then the last attempt fails for good": [
         ("claim", 0),
         ("fail", 0, True),
