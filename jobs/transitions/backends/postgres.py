@@ -267,7 +267,7 @@ class PostgresBackend(OrmBackend):
                     jobs = []
                     for *picked, token in (row[7:] for row in rows):
                         if picked[0] is None or token is None:
-                            continue  # none picked, or its rows disagree
+                            continue  # none picked, or left: rows disagree
                         job, _ = self._leased(picked, worker, token)
                         jobs.append(job)
                     if len(jobs) == max_jobs or held + len(jobs) >= max_leases:

@@ -614,16 +614,17 @@ CLAIM_FIRST = _claim(
 # of its priority (no fair share to charge: a run of single claims takes
 # every job from it while it has any). Then the oldest claimable jobs of that
 # batch, as many as asked and as the worker's lease cap leaves room for
-# after its turn (SKIP LOCKED), are leased at once, each with its own token
-# (``%(tokens)s``, in claim order), the counter shards shifted once each in
-# (batch, shard) order, the ledger rows opened in claim order. Returns the
-# chores' flags, the first batch, whether it is capped, whether it has a
-# rival, the statement's instant and the worker's live leases as its turn
-# counted them (NULL when not taken), then one row per job picked, as CLAIM
-# does, with the token it was leased under (NULL: its rows disagree, it was
-# left as it was); one row of NULLs for the job when none was picked. When
-# the statement cannot take the jobs (chores, a capped first batch, a
-# rival) it writes nothing and the caller claims one job at a time.
+# after its turn (SKIP LOCKED), are leased at once up to the first whose rows
+# disagree, each with its own token (``%(tokens)s``, in claim order), the
+# counter shards shifted once each in (batch, shard) order, the ledger rows
+# opened in claim order. Returns the chores' flags, the first batch, whether
+# it is capped, whether it has a rival, the statement's instant and the
+# worker's live leases as its turn counted them (NULL when not taken), then
+# one row per job picked, as CLAIM does, with the token it was leased under
+# (NULL: its rows, or those of a job before it, disagree: it was left as it
+# was); one row of NULLs for the job when none was picked. When the
+# statement cannot take the jobs (chores, a capped first batch, a rival) it
+# writes nothing and the caller claims one job at a time.
 CLAIM_MANY = _claim(
     prelude=first_batch(skip_charged=False)
     + f""" chosen AS (
