@@ -4,8 +4,9 @@ Every program below runs twice on PostgreSQL from identical starting rows:
 through the statement backend (``auto``) and through the portable ORM backend
 (``orm``). After every operation the answers and every row of jobs, items,
 ledger, counters, throughput buckets, events, tallies, batches and workers
-must be equal (tokens and webhook ids normalised), including the webhook
-outbox (events and deliveries). The named cases cover every transition and
+must be equal (tokens and webhook ids normalised; tallies and throughput
+buckets compared by their keys, not their ids), including the webhook outbox
+(events and deliveries). The named cases cover every transition and
 the unusual paths (stale tokens, a batched heartbeat's mixed answers, replays, backoff, the last attempt, forced
 reclaim, cancel mid-flight, retry, drifted rows healed on the way) and
 worker authentication (one token and a wave of them); the Hypothesis state
@@ -92,6 +93,14 @@ CASES = {
         ("claim_many", 0, 2),  # the chores first: single claims
         ("complete_many", [6, 7, 8, 9, 10, 11, 12, 13]),  # the batches' tails
         ("complete_many", [], None, True),
+    ],
+    "batched completion: a batch in its tail and one that is not": [
+        *[("claim", 0)] * 5,  # b1's three (priority 5), then b0's first, b2's
+        # Lease 4 (b2, a job still queued) is one statement's; lease 0 (b1,
+        # nothing queued: its tail) the ORM code's, after it. Their throughput
+        # buckets are the same rows as when both are the ORM code's.
+        ("complete_many", [4, 0]),
+        ("complete_many", [1, 3, 2]),
     ],
     "claims of many: one statement, the cap, drifted and stray rows": [
         ("drift_item", 5, "transcribing"),  # b1's second job's item drifted
