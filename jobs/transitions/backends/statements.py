@@ -382,21 +382,21 @@ CHARGE = sql(
 )
 
 
-# The job picked, unless its rows disagree (its item is not queued, or a ledger
-# row of an earlier lease was left open): then the long way heals them.
-_CLEAN_ONE = sql(
-    "SELECT * FROM pick WHERE i_{item.status} = {item_for[queued]} AND NOT stray_lease"
-)
+# A picked job's rows disagree: its item is not queued, or a ledger row of an
+# earlier lease was left open. The long way heals them.
+_DISAGREES = sql("(i_{item.status} <> {item_for[queued]} OR stray_lease)")
+# The job picked, unless its rows disagree.
+_CLEAN_ONE = f"SELECT * FROM pick WHERE NOT {_DISAGREES}"
 # The jobs picked, numbered in claim order, up to the first whose rows disagree.
 _CLEAN_MANY = sql(
     """SELECT * FROM (
             SELECT *, row_number() OVER claim_order AS n,
-                bool_or(i_{item.status} <> {item_for[queued]} OR stray_lease)
-                    OVER claim_order AS disagreed
+                bool_or({disagrees}) OVER claim_order AS disagreed
             FROM pick
             WINDOW claim_order AS (ORDER BY j_{job.created_at}, j_{job.id})
         ) numbered
-        WHERE NOT disagreed"""
+        WHERE NOT disagreed""",
+    disagrees=_DISAGREES,
 )
 
 
@@ -407,7 +407,6 @@ def _claim(
     charge: str,
     result: str,
     limit: str = "1",
-    many: bool = False,
     token: str = "%(token)s",
     shift: str | None = None,
 ) -> str:
@@ -431,12 +430,12 @@ def _claim(
     for every queued job of the batch (tests/jobs/test_plans.py).
 
     Up to ``limit`` jobs (an SQL expression; 1 by default) for a claim of
-    ``many`` (``CLAIM_MANY``): ``clean`` then numbers the jobs in claim order
-    (``n``) and keeps only those ahead of the first whose rows disagree, which
-    the single claims after the statement heal and take in its place, as a run
-    of single claims would (tests/jobs/test_differential.py); ``token`` is the
-    lease token each job gets (an SQL expression over ``clean``), and
-    ``shift`` the counter shift (one that sums the moves per shard:
+    many (``CLAIM_MANY``): ``token`` is the lease token each job gets (an SQL
+    expression over ``clean``), and ``clean`` then numbers the jobs in claim
+    order (``n``) and keeps only those ahead of the first whose rows disagree,
+    which the single claims after the statement heal and take in its place,
+    as a run of single claims would (tests/jobs/test_differential.py);
+    ``shift`` is the counter shift (one that sums the moves per shard:
     ``shift_and_record``)."""
     single = token == "%(token)s"
     return sql(
@@ -506,7 +505,7 @@ def _claim(
         else shift,
         result=result,
         limit=limit,
-        clean=_CLEAN_MANY if many else _CLEAN_ONE,
+        clean=_CLEAN_ONE if single else _CLEAN_MANY,
         token=token,
         # One token (a single claim): the ledger row takes it as given. Many:
         # each job's, as written, and the rows opened in claim order.
@@ -637,7 +636,6 @@ CLAIM_MANY = _claim(
     limit=(
         "LEAST(%(n)s::bigint, GREATEST(%(cap)s::bigint - (SELECT held FROM turn), 0))"
     ),
-    many=True,
     token="(%(tokens)s::text[])[clean.n]",
     shift=shift_and_record("moves"),
     result=sql(
