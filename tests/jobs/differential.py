@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from operator import itemgetter
 from typing import Any
 
 from django.contrib.auth.models import User
@@ -536,25 +537,24 @@ def snapshot() -> dict[str, list[dict[str, Any]]]:
     # A tally is a counter found by its name; its id only says which backend
     # first counted it (a claim that reclaims an expired lease and repairs its
     # ledger row on the way counts both, in either order). Compare name and count.
-    rows[Tally._meta.db_table] = sorted(
-        (
-            {"name": row["name"], "count": row["count"]}
-            for row in rows[Tally._meta.db_table]
-        ),
-        key=lambda row: row["name"],
-    )
+    _by_key(rows, Tally, "name")
     # A throughput bucket is found by (batch, minute, shard), its one unique key;
     # its id only says in which order the buckets were first written. A batched
     # completion on PostgreSQL writes its clean results' buckets in one
     # statement and then those it leaves to the ORM code (a batch's tail, rows
     # that disagree), where the ORM backend writes them all in (batch, shard)
     # order. Compare the buckets by their key.
-    minute = BatchMinute._meta.db_table
-    rows[minute] = sorted(
-        ({k: v for k, v in row.items() if k != "id"} for row in rows[minute]),
-        key=lambda row: (row["batch_id"], row["minute"], row["shard"]),
-    )
+    _by_key(rows, BatchMinute, "batch_id", "minute", "shard")
     return rows
+
+
+def _by_key(rows: dict[str, list[dict[str, Any]]], model, *key: str) -> None:
+    """``model``'s rows without their ids, in the order of their unique ``key``."""
+    table = model._meta.db_table
+    rows[table] = sorted(
+        ({k: v for k, v in row.items() if k != "id"} for row in rows[table]),
+        key=itemgetter(*key),
+    )
 
 
 def _normalise_answer(answer: Any) -> Any:
