@@ -22,6 +22,7 @@ from batches.models import Batch
 from batches.streaming import EXPORT_SLOTS
 from jobs import transitions
 from jobs.models import Job, JobStatus, Lease
+from jobs.tokens import MAX_TOKEN_LENGTH
 from recall_site.wsgi import application
 from tests.support.factories import make_batch, make_user
 
@@ -67,17 +68,31 @@ def _auth(case, token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+def _steerable(token) -> bool:
+    """Whether a generated token may be swapped for a real one: some of the
+    tokens the schema allows (1 to MAX_TOKEN_LENGTH characters). A token
+    the case made invalid on purpose (too long, empty) stays: swapped, the
+    request would be valid and its acceptance would read as accepted
+    negative data."""
+    return (
+        isinstance(token, str)
+        and 0 < len(token) <= MAX_TOKEN_LENGTH
+        and len(token) % 2 == 0
+    )
+
+
 def _steer(case, world) -> None:
     """Point some generated requests at real jobs and real (live or stale) tokens,
     deterministically from the generated values."""
     job_ids = list(Job.objects.order_by("pk").values_list("pk", flat=True))
     tokens = list(Lease.objects.order_by("pk").values_list("token", flat=True))
     job_id = (case.path_parameters or {}).get("job_id")
-    if isinstance(job_id, int) and job_id % 3:
+    # Negative ids are left alone: they are the invalid examples.
+    if isinstance(job_id, int) and job_id > 0 and job_id % 3:
         case.path_parameters["job_id"] = job_ids[job_id % len(job_ids)]
     body = case.body
     token = body.get("lease_token") if isinstance(body, dict) else None
-    if isinstance(token, str) and tokens and len(token) % 2 == 0:
+    if _steerable(token) and tokens:
         body["lease_token"] = tokens[len(token) % len(tokens)]
     # A batched heartbeat's leases and a batched completion's results: most of
     # them real jobs, some with real tokens.
@@ -92,7 +107,7 @@ def _steer(case, world) -> None:
         job_id, token = lease.get("job_id"), lease.get("lease_token")
         if isinstance(job_id, int) and job_id % 3:
             lease["job_id"] = job_ids[job_id % len(job_ids)]
-        if isinstance(token, str) and token and tokens and len(token) % 2 == 0:
+        if _steerable(token) and tokens:
             lease["lease_token"] = tokens[len(token) % len(tokens)]
     # Keep a few live leases around for the next examples.
     if Job.objects.filter(status=JobStatus.LEASED).count() < 3:
