@@ -85,6 +85,13 @@ def jobs_read() -> int:
         return cursor.fetchone()[0]
 
 
+def finish(worker, n: int) -> None:
+    """``n`` jobs claimed and completed by ``worker``."""
+    for _ in range(n):
+        job = transitions.claim_next(worker, now=T0)
+        transitions.complete(job, job.lease_token, worker=worker, result={"text": "ok"})
+
+
 def claim(worker, labels, many: bool) -> int:
     """Jobs leased by one claim (of one job, or of up to 8)."""
     if many:
@@ -103,9 +110,7 @@ def test_a_claim_walks_the_claim_index_in_order_whatever_the_queue(
     item and sorted them, for each claim (2,004 rows read per claim here; in
     a batch of a million queued jobs, a million)."""
     make_batch(1_000, name="big")
-    for _ in range(500):  # a batch half done, as most are for most of their life
-        job = transitions.claim_next(worker, now=T0)
-        transitions.complete(job, job.lease_token, worker=worker, result={"text": "ok"})
+    finish(worker, 500)  # a batch half done, as most are for most of their life
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE jobs_job")
         cursor.execute("ANALYZE batches_batch")
@@ -181,3 +186,42 @@ def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker):
     # The 300 once, and a few rows of the two served batches (found, locked,
     # charged): 305.
     assert ahead <= read < ahead + 15
+
+
+def open_ledger_rows_read() -> int:
+    """Entries of the open-ledger-row index (one per live lease) this
+    transaction's scans have returned."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_stat_get_xact_tuples_returned('lease_one_open_per_job'::regclass)"
+        )
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["one", "many"])
+def test_a_claim_looks_up_the_ledger_rows_of_its_own_jobs_only(
+    worker, other_worker, many
+):
+    """A claim checks that no ledger row of an earlier lease was left open on
+    each job it picks (``stray_lease``). Written as EXISTS, the generic plan
+    hashed the whole open-row index instead of looking up the picked job's:
+    each claim read an entry per live lease of the whole fleet (the 200 of
+    another worker here; 2,000 for 250 GPU boxes of 8 leases), and one per
+    ledger row closed since the table was last vacuumed: 1,203 entries for
+    a claim of one job here, 1,224 for a claim of eight."""
+    make_batch(2_000, name="fleet")
+    finish(worker, 1_000)  # half done
+    for _ in range(200):
+        assert transitions.claim_next(other_worker, now=T0, max_leases=1_000)
+    with connection.cursor() as cursor:
+        for table in ("jobs_job", "jobs_lease", "batches_batchitem"):
+            cursor.execute(f"ANALYZE {table}")
+        cursor.execute("DEALLOCATE ALL")
+    for _ in range(3):  # prepared, and planned the one time it will be
+        assert claim(worker, None, many)
+
+    leased = 8 if many else 1
+    before = open_ledger_rows_read()
+    assert claim(worker, None, many) == leased
+    # One lookup per job picked, none of which has an open row: nothing read.
+    assert open_ledger_rows_read() - before == 0

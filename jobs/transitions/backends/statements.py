@@ -429,6 +429,12 @@ def _claim(
     guessed few queued jobs per batch the join read the batches table once
     for every queued job of the batch (tests/jobs/test_plans.py).
 
+    A stray ledger row is looked up for each job picked, on the index of open
+    rows (at most one per job): a scalar subquery, which PostgreSQL runs per
+    row. Written as EXISTS, the generic plan, guessing many queued jobs per
+    batch, hashed the whole index once per claim instead: an entry for each
+    live lease of the fleet and each row closed since the last vacuum.
+
     Up to ``limit`` jobs (an SQL expression; 1 by default) for a claim of
     many (``CLAIM_MANY``): ``token`` is the lease token each job gets (an SQL
     expression over ``clean``), and ``clean`` then numbers the jobs in claim
@@ -443,9 +449,9 @@ def _claim(
         SELECT {job_columns}, {item_columns},
             (SELECT b.{batch.name} FROM {batch} b WHERE b.{batch.id} = {batch_id})
                 AS batch_name,
-            EXISTS (SELECT 1 FROM {lease} l
-                    WHERE l.{lease.job} = j.{job.id} AND l.{lease.ended_at} IS NULL)
-                AS stray_lease,
+            COALESCE((SELECT true FROM {lease} l
+                      WHERE l.{lease.job} = j.{job.id} AND l.{lease.ended_at} IS NULL),
+                false) AS stray_lease,
             {now} AS at, {now} + {lease_seconds} AS expires
         FROM {job} j
         JOIN {item} i ON i.{item.id} = j.{job.item}
