@@ -1,18 +1,21 @@
 """The statement backend builds model instances from its rows itself
 (``PostgresBackend._from_db``): each JSON column is read by one decoder kept
 for good, which must answer exactly what the field's own ``from_db_value``
-answers, for every value a row can hold and for those it cannot."""
+answers, for every value a row can hold and for those it cannot; and each
+instance is the one ``Model.from_db`` would build (``_loaded``), deferred
+fields included."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from django.db.models.signals import post_init
 
 from batches.json_limits import MAX_JSON_DEPTH
-from batches.models import BatchItem
+from batches.models import Batch, BatchItem
 from jobs.models import Job, Worker
-from jobs.transitions.backends.postgres import _columns
+from jobs.transitions.backends.postgres import _columns, _loaded, _plain
 
 DEEP = "[" * (MAX_JSON_DEPTH + 3) + "]" * (MAX_JSON_DEPTH + 3)
 VALUES = [
@@ -66,3 +69,54 @@ def test_deep_json_comes_back_flattened_and_huge_integers_as_digits():
     assert depth == MAX_JSON_DEPTH
     assert json.loads(deep) == [[[]]]
     assert read("9" * 5000, None, None) == "9" * 5000
+
+
+def _row(model, names):
+    """A value for each of ``names`` that tells the fields apart."""
+    return [f"{model.__name__}.{name}" for name in names]
+
+
+def _built(instance):
+    return (
+        type(instance),
+        {k: v for k, v in vars(instance).items() if k != "_state"},
+        instance._state.adding,
+        instance._state.db,
+        instance.get_deferred_fields(),
+    )
+
+
+@pytest.mark.parametrize("model", [Job, BatchItem, Batch, Worker])
+def test_an_instance_is_built_as_from_db_builds_it(model):
+    assert _plain(model)
+    names = [f.attname for f in model._meta.concrete_fields]
+    for chosen in (names, names[:1], names[::2]):  # all fields; some deferred
+        values = _row(model, chosen)
+        loaded = _loaded(model, "default", chosen, values)
+        assert _built(loaded) == _built(model.from_db("default", chosen, values))
+        assert loaded._state.adding is False and loaded._state.db == "default"
+        assert loaded.get_deferred_fields() == set(names) - set(chosen)
+
+
+def test_a_model_init_signals_reach_still_goes_through_from_db():
+    names = [f.attname for f in Job._meta.concrete_fields]
+    seen = []
+
+    def receiver(sender, instance, **kwargs):
+        seen.append(instance)
+
+    post_init.connect(receiver, sender=Job)
+    try:
+        job = _loaded(Job, "default", names, _row(Job, names))
+    finally:
+        post_init.disconnect(receiver, sender=Job)
+    assert seen == [job]
+
+
+@pytest.mark.django_db
+def test_a_deferred_field_of_a_built_instance_is_read_from_the_database(batch):
+    stored = Job.objects.order_by("pk").first()
+    job = _loaded(Job, "default", ["id", "batch_id"], [stored.pk, stored.batch_id])
+    assert job.get_deferred_fields() >= {"status", "item_id"}
+    assert (job.status, job.item_id) == (stored.status, stored.item_id)
+    assert job.batch == batch
