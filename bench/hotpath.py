@@ -27,9 +27,10 @@ request each, ``http_batched`` the same claim then one batched completion
 fresh each run (bench/seed.py), finished jobs in front, and one job more than
 the steps take, so no step finishes the batch; ``--batches N`` spreads it over
 N open batches of one priority, so that each claim is charged to its batch's
-fair share as in row 11 (one batch has no share to charge). ``--profile FILE`` writes a
-cProfile of the steps (CPU time, so waits for the database do not count)
-instead.
+fair share as in row 11 (one batch has no share to charge); ``--live N``
+has another worker hold N leases through the steps, as a fleet's GPUs do.
+``--profile FILE`` writes a cProfile of the steps (CPU time, so waits for the
+database do not count) instead.
 
 ``--statements`` prints what the database did for the steps instead of
 leaving it to guess: each statement run at least once per two steps, from
@@ -180,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         help="spread the queue over this many open batches (fair share, row 11)",
     )
     parser.add_argument(
+        "--live",
+        type=int,
+        default=0,
+        help="leases another worker holds through the steps (a fleet's)",
+    )
+    parser.add_argument(
         "--statements",
         action="store_true",
         help="also print each statement's plans and times (pg_stat_statements)",
@@ -202,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.loops import utcnow
 
         seed.reset()
-        ((worker, token),) = seed.workers(1, prefix="hotpath")
+        (worker, token), (fleet, _) = seed.workers(2, prefix="hotpath")
         per_step = 1 if args.kind in ("raw", "model", "http") else JOBS_PER_CLAIM
-        # Every batch keeps a job more than the steps can take from it, so
-        # no step finishes one.
-        jobs = (WARM_UP + args.steps) * per_step // args.batches + 1
+        # Every batch keeps a job more than the steps (and the fleet's leases)
+        # can take from it, so no step finishes one.
+        jobs = ((WARM_UP + args.steps) * per_step + args.live) // args.batches + 1
         for n in range(args.batches):
             batch = seed.batch(
                 f"hotpath-{n}",
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 queued=jobs,
                 analyze=n == args.batches - 1,
             )
+        _lease(fleet, args.live)
         step = {
             "raw": lambda: _raw_step(batch.pk, worker.pk),
             "model": lambda: _model_step(worker),
@@ -263,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.destroy()
     return 0
+
+
+def _lease(worker, n: int) -> None:
+    """``n`` live leases held by ``worker`` (the rest of a fleet), claimed
+    before the steps and left live through them."""
+    from jobs import transitions
+
+    for _ in range(n):
+        if transitions.claim_next(worker, max_leases=n) is None:
+            raise RuntimeError("the queue ran dry")
 
 
 def _backends() -> list[int]:
