@@ -720,11 +720,12 @@ def _loaded(
     ``__dict__`` instead of passed through ``Model.__init__``: that is all
     ``__init__`` does with them for a model of plain fields (it skips a
     deferred field, and a foreign key's id, set on a new instance, clears no
-    cached object), and it cost a claim a tenth of its app's time, checking
-    each of some forty values one by one on every call. A model that
-    ``__init__`` does more for (an ``__init__`` or ``from_db`` of its own, a
-    field with a descriptor of its own, a receiver of ``pre_init`` or
-    ``post_init``) goes through ``from_db``."""
+    cached object), and taking each of some forty values through ``setattr``
+    one by one cost a claim and its completion about 8% of the app's time
+    (docs/development/benchmark-history.md). A model for which ``__init__``
+    would do more (an ``__init__`` or ``from_db`` of its own, a field with a
+    descriptor of its own, a receiver of ``pre_init`` or ``post_init``) goes
+    through ``from_db``."""
     if not _plain(model) or pre_init.receivers or post_init.receivers:
         return model.from_db(alias, names, values)
     instance = model.__new__(model)
