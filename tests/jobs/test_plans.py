@@ -198,6 +198,36 @@ def open_ledger_rows_read() -> int:
         return cursor.fetchone()[0]
 
 
+def fleet(worker, other_worker, *, quiet_statistics=False) -> None:
+    """A batch half done by ``worker`` and 200 live leases of
+    ``other_worker`` (the rest of a fleet), the tables analyzed and this
+    session's statements to be planned again. With ``quiet_statistics`` the
+    ledger was last analyzed before the fleet claimed, when no lease was
+    live (as after a quiet night)."""
+    make_batch(2_000, name="fleet")
+    finish(worker, 1_000)
+    with connection.cursor() as cursor:
+        if quiet_statistics:
+            cursor.execute("ANALYZE jobs_lease")
+        for _ in range(200):
+            assert transitions.claim_next(other_worker, now=T0, max_leases=1_000)
+        for table in ("jobs_job", "batches_batchitem"):
+            cursor.execute(f"ANALYZE {table}")
+        if not quiet_statistics:
+            cursor.execute("ANALYZE jobs_lease")
+        cursor.execute("DEALLOCATE ALL")
+
+
+def ledger_rows_read() -> int:
+    """Rows of the ledger this transaction's scans have read."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) "
+            "FROM pg_stat_xact_user_tables WHERE relname = 'jobs_lease'"
+        )
+        return cursor.fetchone()[0]
+
+
 @pytest.mark.parametrize("many", [False, True], ids=["one", "many"])
 def test_a_claim_looks_up_the_ledger_rows_of_its_own_jobs_only(
     worker, other_worker, many
@@ -209,14 +239,7 @@ def test_a_claim_looks_up_the_ledger_rows_of_its_own_jobs_only(
     another worker here; 2,000 for 250 GPU boxes of 8 leases), and one per
     ledger row closed since the table was last vacuumed: 1,203 entries for
     a claim of one job here, 1,224 for a claim of eight."""
-    make_batch(2_000, name="fleet")
-    finish(worker, 1_000)  # half done
-    for _ in range(200):
-        assert transitions.claim_next(other_worker, now=T0, max_leases=1_000)
-    with connection.cursor() as cursor:
-        for table in ("jobs_job", "jobs_lease", "batches_batchitem"):
-            cursor.execute(f"ANALYZE {table}")
-        cursor.execute("DEALLOCATE ALL")
+    fleet(worker, other_worker)
     for _ in range(3):  # prepared, and planned the one time it will be
         assert claim(worker, None, many)
 
@@ -225,3 +248,40 @@ def test_a_claim_looks_up_the_ledger_rows_of_its_own_jobs_only(
     assert claim(worker, None, many) == leased
     # One lookup per job picked, none of which has an open row: nothing read.
     assert open_ledger_rows_read() - before == 0
+
+
+@pytest.mark.parametrize("call", ["heartbeat", "heartbeat_many", "complete_many"])
+def test_a_heartbeat_or_completion_reads_the_ledger_rows_of_its_own_leases_only(
+    worker, other_worker, call
+):
+    """A heartbeat extends its lease's open ledger row, a completion closes
+    it. Found by token alone, the generic plan could walk every open row of
+    the fleet and keep the one with that token, on every call (here 208, 208
+    and 202 ledger rows read by one call): each now names its jobs' ids,
+    which the index of open rows is keyed on, or looks the token up on its
+    own index. The ledger's statistics are from before the fleet claimed, no
+    lease live (with statistics of its 200 open rows the plan looked the
+    token up even before)."""
+    fleet(worker, other_worker, quiet_statistics=True)
+    mine = transitions.claim_many(worker, max_jobs=8, now=T0)
+    leases = [(job.pk, job.lease_token) for job in mine]
+
+    def once() -> None:
+        if call == "heartbeat":
+            transitions.heartbeat(mine[0], mine[0].lease_token, worker=worker, now=T0)
+        elif call == "heartbeat_many":
+            transitions.heartbeat_many(leases, worker=worker, now=T0)
+        else:
+            transitions.complete_many(
+                [(pk, token, {"text": "ok"}) for pk, token in leases[:1]],
+                worker=worker,
+                now=T0,
+            )
+            leases.pop(0)
+
+    for _ in range(3):  # prepared, and planned the one time it will be
+        once()
+    before = ledger_rows_read()
+    once()
+    # Its own ledger rows (one, or the eight), not the fleet's 200.
+    assert ledger_rows_read() - before <= len(mine)

@@ -660,6 +660,12 @@ CLAIM_MANY = _claim(
 # Extend a live lease held with this token by this worker: the job's deadline
 # and the open ledger row's, one lease length from now. Returns the new expiry,
 # or no row if the lease is not live.
+#
+# Here and in the statements below, a lease's open ledger row is found by its
+# job's id (the key of the index of open rows) as well as by its token. Found
+# by token alone, a generic plan made while the statistics saw no live lease
+# walked every open row of the fleet on every call
+# (tests/jobs/test_plans.py).
 HEARTBEAT = sql(
     """WITH job AS (
         UPDATE {job} SET {job.lease_expires_at} = {now} + {lease_seconds},
@@ -671,7 +677,8 @@ HEARTBEAT = sql(
         UPDATE {lease} SET {lease.heartbeat_at} = job.at,
             {lease.expires_at} = job.expires
         FROM job
-        WHERE {lease}.{lease.token} = %(token)s AND {lease}.{lease.ended_at} IS NULL
+        WHERE {lease}.{lease.job} = %(job)s AND {lease}.{lease.token} = %(token)s
+          AND {lease}.{lease.ended_at} IS NULL
     )
     SELECT expires FROM job"""
 )
@@ -703,7 +710,9 @@ HEARTBEAT_MANY = sql(
         UPDATE {lease} SET {lease.heartbeat_at} = job.at,
             {lease.expires_at} = job.expires
         FROM job
-        WHERE {lease}.{lease.token} = job.token AND {lease}.{lease.ended_at} IS NULL
+        WHERE {lease}.{lease.job} = ANY(%(jobs)s::bigint[])
+          AND {lease}.{lease.job} = job.id AND {lease}.{lease.token} = job.token
+          AND {lease}.{lease.ended_at} IS NULL
     )
     SELECT job.expires, CASE WHEN job.expires IS NULL THEN EXISTS (
             SELECT FROM {job} k WHERE k.{job.id} = asked.job_id
@@ -764,8 +773,8 @@ COMPLETE = sql(
             {old_flags}, {new_flags}, {now} AS at
         FROM {job} j
         JOIN {item} i ON i.{item.id} = j.{job.item}
-        LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
-            AND l.{lease.ended_at} IS NULL
+        LEFT JOIN {lease} l ON l.{lease.job} = j.{job.id}
+            AND l.{lease.token} = j.{job.lease_token} AND l.{lease.ended_at} IS NULL
         WHERE j.{job.id} = %(job)s AND j.{job.status} = {job_status[leased]}
           AND j.{job.lease_token} = %(token)s AND j.{job.leased_by} = %(worker)s
         FOR NO KEY UPDATE OF j, i
@@ -840,7 +849,8 @@ COMPLETE_MANY = sql(
         FROM {job} j
         JOIN asked a ON a.job_id = j.{job.id} AND a.token = j.{job.lease_token}
         JOIN {item} i ON i.{item.id} = j.{job.item}
-        LEFT JOIN {lease} l ON l.{lease.token} = j.{job.lease_token}
+        LEFT JOIN {lease} l ON l.{lease.job} = ANY(%(jobs)s::bigint[])
+            AND l.{lease.job} = j.{job.id} AND l.{lease.token} = j.{job.lease_token}
             AND l.{lease.ended_at} IS NULL
         WHERE j.{job.status} = {job_status[leased]} AND j.{job.leased_by} = %(worker)s
         ORDER BY j.{job.id}
@@ -914,7 +924,7 @@ _RECLAIM = sql(
             j.{job.leased_by} AS worker_id, i.{item.status} AS item_status,
             COALESCE(i.{item.duration_ms}, 0) AS ms,
             (SELECT l.{lease.id} FROM {lease} l
-             WHERE l.{lease.token} = j.{job.lease_token}
+             WHERE l.{lease.job} = j.{job.id} AND l.{lease.token} = j.{job.lease_token}
                AND l.{lease.ended_at} IS NULL) AS lease_id,
             {now} AS at
         FROM {job} j
