@@ -739,13 +739,12 @@ def _loaded(
 def _plain(model: type[Model]) -> bool:
     """Whether ``Model.__init__`` only stores ``model``'s field values (see
     ``_loaded``)."""
-    return (
-        model.__init__ is Model.__init__
-        and model.from_db.__func__ is Model.from_db.__func__
-        and all(
-            type(model.__dict__.get(f.attname)) in _PLAIN_DESCRIPTORS
-            for f in model._meta.concrete_fields
-        )
+    below_model = model.__mro__[: model.__mro__.index(Model)]
+    return not any(
+        "__init__" in vars(c) or "from_db" in vars(c) for c in below_model
+    ) and all(
+        type(model.__dict__.get(f.attname)) in _PLAIN_DESCRIPTORS
+        for f in model._meta.concrete_fields
     )
 
 
