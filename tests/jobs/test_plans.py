@@ -75,12 +75,13 @@ def test_a_new_connection_keeps_generic_plans_only_when_statements_are_prepared(
         assert mode() == "auto"
 
 
-def jobs_read() -> int:
-    """Rows of the jobs table this transaction has read, by scans and indexes."""
+def rows_read(table: str) -> int:
+    """Rows of ``table`` this transaction has read, by scans and indexes."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT seq_tup_read + idx_tup_fetch FROM pg_stat_xact_user_tables "
-            "WHERE relname = 'jobs_job'"
+            "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) "
+            "FROM pg_stat_xact_user_tables WHERE relname = %s",
+            [table],
         )
         return cursor.fetchone()[0]
 
@@ -118,20 +119,10 @@ def test_a_claim_walks_the_claim_index_in_order_whatever_the_queue(
         assert claim(worker, labels, many)
 
     leased = 8 if many else 1
-    before = jobs_read()
+    before = rows_read("jobs_job")
     assert claim(worker, labels, many) == leased
     # A handful of rows per job leased (the job, its checks), not the table.
-    assert jobs_read() - before < 10 * leased
-
-
-def batches_read() -> int:
-    """Rows of the batches table this transaction has read."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) "
-            "FROM pg_stat_xact_user_tables WHERE relname = 'batches_batch'"
-        )
-        return cursor.fetchone()[0]
+    assert rows_read("jobs_job") - before < 10 * leased
 
 
 def batches_read_by_a_charged_claim(worker, *, ahead: int, queued: int) -> int:
@@ -152,10 +143,10 @@ def batches_read_by_a_charged_claim(worker, *, ahead: int, queued: int) -> int:
     for _ in range(3):  # prepared, and planned the one time it will be
         assert transitions.claim_next(worker, labels=LABELS, now=T0) is not None
 
-    before = batches_read()
+    before = rows_read("batches_batch")
     job = transitions.claim_next(worker, labels=LABELS, now=T0)
     assert job is not None and job.batch_id in {batch.pk for batch in served}
-    return batches_read() - before
+    return rows_read("batches_batch") - before
 
 
 @pytest.mark.parametrize("queued", [20, 300])
@@ -218,16 +209,6 @@ def fleet(worker, other_worker, *, quiet_statistics=False) -> None:
         cursor.execute("DEALLOCATE ALL")
 
 
-def ledger_rows_read() -> int:
-    """Rows of the ledger this transaction's scans have read."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT seq_tup_read + COALESCE(idx_tup_fetch, 0) "
-            "FROM pg_stat_xact_user_tables WHERE relname = 'jobs_lease'"
-        )
-        return cursor.fetchone()[0]
-
-
 @pytest.mark.parametrize("many", [False, True], ids=["one", "many"])
 def test_a_claim_looks_up_the_ledger_rows_of_its_own_jobs_only(
     worker, other_worker, many
@@ -281,7 +262,7 @@ def test_a_heartbeat_or_completion_reads_the_ledger_rows_of_its_own_leases_only(
 
     for _ in range(3):  # prepared, and planned the one time it will be
         once()
-    before = ledger_rows_read()
+    before = rows_read("jobs_lease")
     once()
     # Its own ledger rows (one, or the eight), not the fleet's 200.
-    assert ledger_rows_read() - before <= len(mine)
+    assert rows_read("jobs_lease") - before <= len(mine)
