@@ -266,3 +266,31 @@ def test_a_heartbeat_or_completion_reads_the_ledger_rows_of_its_own_leases_only(
     once()
     # Its own ledger rows (one, or the eight), not the fleet's 200.
     assert rows_read("jobs_lease") - before <= len(mine)
+
+
+def claim_index_entries_read() -> int:
+    """Entries of the claim index this transaction's scans have read, of live
+    jobs and of jobs no longer queued alike."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_get_xact_tuples_returned('job_claim'::regclass)")
+        return cursor.fetchone()[0]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["one", "many"])
+def test_a_claim_walks_past_the_jobs_claimed_before_it_once(worker, many):
+    """Until the claim index is vacuumed, it holds an entry for every job
+    claimed since, ahead of the queued ones; while some snapshot may still
+    see those jobs queued (here: this test's own transaction, which claimed
+    them), a walk reads each. The claim's probe of its batch walked past them,
+    and then its pick walked past them all again."""
+    make_batch(400, name="big")
+    finish(worker, 200)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE jobs_job")
+        cursor.execute("ANALYZE batches_batch")
+    before = claim_index_entries_read()
+    assert claim(worker, None, many) == (8 if many else 1)
+    read = claim_index_entries_read() - before
+    # The probe walks past the 200 (and stops at the first queued job); the
+    # pick starts there.
+    assert 200 <= read < 230

@@ -342,16 +342,20 @@ JOB_SERVES = sql("(j.{job.requires} = '{{}}' OR j.{job.requires} <@ %(labels)s::
 # batch's live leases (at most the cap) on the (batch, status) index. Claims
 # take jobs in (created_at, id) order, the claim index's: within a batch the
 # manifest's order; by id alone, PostgreSQL may walk the primary key past every
-# finished job when its statistics say most jobs are queued.
+# finished job when its statistics say most jobs are queued. Each candidate
+# comes with the position of the job its probe found (``job_created_at``,
+# ``job_id``): its first claimable job in that order, as the statement's
+# snapshot sees it (see ``_claim``'s ``start``).
 def candidates(*, unless: str = "true") -> str:
     return sql(
         """SELECT b.{batch.id} AS id, b.{batch.priority} AS priority,
         b.{batch.virtual_time} AS virtual_time,
-        b.{batch.max_in_flight} IS NOT NULL AS capped
+        b.{batch.max_in_flight} IS NOT NULL AS capped,
+        claimable.{job.created_at} AS job_created_at, claimable.{job.id} AS job_id
     FROM {batch} b
     CROSS JOIN LATERAL (
-        SELECT 1 FROM {job} j WHERE j.{job.batch} = b.{batch.id} AND {claimable}
-            AND {job_serves}
+        SELECT j.{job.created_at}, j.{job.id} FROM {job} j
+        WHERE j.{job.batch} = b.{batch.id} AND {claimable} AND {job_serves}
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT 1
     ) AS claimable
     WHERE {open_batch} AND {serves} AND {unless} AND (
@@ -409,6 +413,7 @@ def _claim(
     limit: str = "1",
     token: str = "%(token)s",
     shift: str | None = None,
+    start: str | None = None,
 ) -> str:
     """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
     LOCKED), if the worker's labels serve the batch (``SERVES``: checked again
@@ -442,7 +447,19 @@ def _claim(
     which the single claims after the statement heal and take in its place,
     as a run of single claims would (tests/jobs/test_differential.py);
     ``shift`` is the counter shift (one that sums the moves per shard:
-    ``shift_and_record``)."""
+    ``shift_and_record``).
+
+    ``start`` (the name of a CTE of the prelude, with the batch's
+    ``job_created_at`` and ``job_id`` from ``candidates``) starts the walk of
+    the claim index at the job the batch's probe found, in the index's
+    descent, instead of at the batch's first entry. Every entry before it
+    is of a job that is not claimable in this statement's snapshot, which
+    the pick shares with the probe, so the pick takes the same jobs. Those
+    entries are mostly of jobs claimed since the index was last vacuumed,
+    each passed by a claim's walk until then (with leases in flight, as a
+    heap fetch, for as long as some snapshot may still see the job queued):
+    walked from the start, a claim passed them twice, once in the probe and
+    once in the pick (tests/jobs/test_plans.py)."""
     single = token == "%(token)s"
     return sql(
         """WITH {prelude} pick AS (
@@ -461,7 +478,7 @@ def _claim(
               AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
               AND {serves}
           )
-          AND {job_serves}
+          AND {job_serves}{start}
           AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT {limit}
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
@@ -518,6 +535,14 @@ def _claim(
         returned=""
         if single
         else sql(",\n            {job}.{job.lease_token} AS token"),
+        start=""
+        if start is None
+        else sql(
+            """
+          AND (j.{job.created_at}, j.{job.id}) >= (
+              (SELECT job_created_at FROM {start}), (SELECT job_id FROM {start}))""",
+            start=start,
+        ),
         opened_token="%(token)s" if single else "token",
         opened_order="" if single else "\n        ORDER BY id",
     )
@@ -602,10 +627,13 @@ def first_batch(*, skip_charged: bool) -> str:
 # no lock); its count is returned after the first batch (NULL when not taken).
 CLAIM_FIRST = _claim(
     prelude=first_batch(skip_charged=True)
-    + f""" turn AS (
-        SELECT {TURN} AS held FROM first WHERE NOT capped
+    + f""" chosen AS (
+        SELECT * FROM first WHERE NOT capped
+    ), turn AS (
+        SELECT {TURN} AS held FROM chosen
     ),""",
-    batch_id="(SELECT id FROM first WHERE NOT capped)",
+    batch_id="(SELECT id FROM chosen)",
+    start="chosen",
     charge="(SELECT found FROM rival)",
     result=sql(
         "SELECT chores.*, (SELECT id FROM head), {now} AS at, "
@@ -633,11 +661,12 @@ CLAIM_FIRST = _claim(
 CLAIM_MANY = _claim(
     prelude=first_batch(skip_charged=False)
     + f""" chosen AS (
-        SELECT id FROM first WHERE NOT capped AND NOT (SELECT found FROM rival)
+        SELECT * FROM first WHERE NOT capped AND NOT (SELECT found FROM rival)
     ), turn AS (
         SELECT {TURN} AS held FROM chosen
     ),""",
     batch_id="(SELECT id FROM chosen)",
+    start="chosen",
     charge="false",
     limit=(
         "LEAST(%(n)s::bigint, GREATEST(%(cap)s::bigint - (SELECT held FROM turn), 0))"
