@@ -294,3 +294,39 @@ def test_a_claim_walks_past_the_jobs_claimed_before_it_once(worker, many):
     # The probe walks past the 200 (and stops at the first queued job); the
     # pick starts there.
     assert 200 <= read < 230
+
+
+@pytest.mark.parametrize("call", ["heartbeat", "complete"])
+def test_a_heartbeat_or_completion_reads_its_own_job_only(worker, call):
+    """A heartbeat and a completion name their job by its id. With the jobs
+    table last analyzed before any lease was live, the generic plan took
+    ``leased_by_id = %(worker)s`` for an index walk of all the worker's
+    leases and kept the one with that id: 200 and 198 job rows read by one
+    call here, where the worker holds 200 leases (its cap raised). Kept from
+    that index alone, ``status = 'leased'`` led it to walk every leased job
+    of the fleet instead."""
+    make_batch(400, name="many-gpus")
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE jobs_job")
+    mine = [
+        transitions.claim_next(worker, now=T0, max_leases=1_000) for _ in range(200)
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE batches_batchitem")
+        cursor.execute("ANALYZE jobs_lease")
+        cursor.execute("DEALLOCATE ALL")
+
+    def once(job) -> None:
+        if call == "heartbeat":
+            transitions.heartbeat(job, job.lease_token, worker=worker, now=T0)
+        else:
+            transitions.complete(
+                job, job.lease_token, worker=worker, result={"text": "ok"}, now=T0
+            )
+
+    for job in mine[:3]:  # prepared, and planned the one time it will be
+        once(job)
+    before = rows_read("jobs_job")
+    once(mine[100])
+    # The job, found by its id (and, for a completion, its row again to write).
+    assert rows_read("jobs_job") - before <= 2

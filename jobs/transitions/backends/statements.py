@@ -686,6 +686,25 @@ CLAIM_MANY = _claim(
 
 # --- Heartbeat -------------------------------------------------------------------
 
+# The job (alias j, named by its id) is leased to the calling worker under this
+# token. Not as plain equalities: a generic plan made while the statistics saw
+# no live lease took ``leased_by_id = %(worker)s`` for the condition of an
+# index walk of all the worker's leases (up to its cap), keeping the one with
+# the job's id, on each heartbeat and completion; with that condition alone
+# kept from the index, ``status = 'leased'`` let it walk the partial index of
+# the whole fleet's leased jobs instead. IS NOT DISTINCT FROM is the same test
+# on these NOT NULL values (a worker's id is never NULL), and neither an
+# index condition nor the proof of a partial index's predicate: the job is
+# looked up by its id (tests/jobs/test_plans.py). The batched forms
+# keep plain equalities: their jobs come from a list, and with nothing left
+# to walk but that list's ids a generic plan might hash the whole jobs table
+# instead; a walk of the worker's own leases is bounded by its cap.
+LEASED_TO_WORKER = sql(
+    """j.{job.status} IS NOT DISTINCT FROM {job_status[leased]}
+          AND j.{job.lease_token} = %(token)s
+          AND j.{job.leased_by} IS NOT DISTINCT FROM %(worker)s"""
+)
+
 # Extend a live lease held with this token by this worker: the job's deadline
 # and the open ledger row's, one lease length from now. Returns the new expiry,
 # or no row if the lease is not live.
@@ -697,11 +716,10 @@ CLAIM_MANY = _claim(
 # (tests/jobs/test_plans.py).
 HEARTBEAT = sql(
     """WITH job AS (
-        UPDATE {job} SET {job.lease_expires_at} = {now} + {lease_seconds},
+        UPDATE {job} j SET {job.lease_expires_at} = {now} + {lease_seconds},
             {job.heartbeat_at} = {now}, {job.updated_at} = {now}
-        WHERE {job.id} = %(job)s AND {job.status} = {job_status[leased]}
-          AND {job.lease_token} = %(token)s AND {job.leased_by} = %(worker)s
-        RETURNING {job.lease_expires_at} AS expires, {job.heartbeat_at} AS at
+        WHERE j.{job.id} = %(job)s AND {leased_to_worker}
+        RETURNING j.{job.lease_expires_at} AS expires, j.{job.heartbeat_at} AS at
     ), ledger AS (
         UPDATE {lease} SET {lease.heartbeat_at} = job.at,
             {lease.expires_at} = job.expires
@@ -709,7 +727,8 @@ HEARTBEAT = sql(
         WHERE {lease}.{lease.job} = %(job)s AND {lease}.{lease.token} = %(token)s
           AND {lease}.{lease.ended_at} IS NULL
     )
-    SELECT expires FROM job"""
+    SELECT expires FROM job""",
+    leased_to_worker=LEASED_TO_WORKER,
 )
 
 # Extend many leases of one worker (a batched heartbeat), each as HEARTBEAT
@@ -804,8 +823,7 @@ COMPLETE = sql(
         JOIN {item} i ON i.{item.id} = j.{job.item}
         LEFT JOIN {lease} l ON l.{lease.job} = j.{job.id}
             AND l.{lease.token} = j.{job.lease_token} AND l.{lease.ended_at} IS NULL
-        WHERE j.{job.id} = %(job)s AND j.{job.status} = {job_status[leased]}
-          AND j.{job.lease_token} = %(token)s AND j.{job.leased_by} = %(worker)s
+        WHERE j.{job.id} = %(job)s AND {leased_to_worker}
         FOR NO KEY UPDATE OF j, i
     ), tail AS (
         SELECT COALESCE(sum(c.{counter.queued}), 0) = 0 AS tail FROM {counter} c
@@ -850,6 +868,7 @@ COMPLETE = sql(
     new_flags=_new_flags(words="%(words)s::bigint", heard="%(heard)s::text"),
     set_flags=_SET_FLAGS,
     moved_flags=_MOVED_FLAGS,
+    leased_to_worker=LEASED_TO_WORKER,
 )
 
 # Many completions of one worker at once (a batched completion), each as
