@@ -179,14 +179,16 @@ def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker):
     assert ahead <= read < ahead + 15
 
 
-def open_ledger_rows_read() -> int:
-    """Entries of the open-ledger-row index (one per live lease) this
-    transaction's scans have returned."""
+def index_entries_read(index: str) -> int:
+    """Entries of ``index`` this transaction's scans have returned (of live rows
+    and of rows no longer visible alike; an index-only scan's too)."""
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pg_stat_get_xact_tuples_returned('lease_one_open_per_job'::regclass)"
-        )
+        cursor.execute("SELECT pg_stat_get_xact_tuples_returned(%s::regclass)", [index])
         return cursor.fetchone()[0]
+
+
+# The index of open ledger rows (one per live lease).
+OPEN_LEDGER_ROWS = "lease_one_open_per_job"
 
 
 def fleet(worker, other_worker, *, quiet_statistics=False) -> None:
@@ -225,10 +227,10 @@ def test_a_claim_looks_up_the_ledger_rows_of_its_own_jobs_only(
         assert claim(worker, None, many)
 
     leased = 8 if many else 1
-    before = open_ledger_rows_read()
+    before = index_entries_read(OPEN_LEDGER_ROWS)
     assert claim(worker, None, many) == leased
     # One lookup per job picked, none of which has an open row: nothing read.
-    assert open_ledger_rows_read() - before == 0
+    assert index_entries_read(OPEN_LEDGER_ROWS) - before == 0
 
 
 @pytest.mark.parametrize("call", ["heartbeat", "heartbeat_many", "complete_many"])
@@ -268,14 +270,6 @@ def test_a_heartbeat_or_completion_reads_the_ledger_rows_of_its_own_leases_only(
     assert rows_read("jobs_lease") - before <= len(mine)
 
 
-def claim_index_entries_read() -> int:
-    """Entries of the claim index this transaction's scans have read, of live
-    jobs and of jobs no longer queued alike."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_stat_get_xact_tuples_returned('job_claim'::regclass)")
-        return cursor.fetchone()[0]
-
-
 @pytest.mark.parametrize("many", [False, True], ids=["one", "many"])
 def test_a_claim_walks_past_the_jobs_claimed_before_it_once(worker, many):
     """Until the claim index is vacuumed, it holds an entry for every job
@@ -288,9 +282,9 @@ def test_a_claim_walks_past_the_jobs_claimed_before_it_once(worker, many):
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE jobs_job")
         cursor.execute("ANALYZE batches_batch")
-    before = claim_index_entries_read()
+    before = index_entries_read("job_claim")
     assert claim(worker, None, many) == (8 if many else 1)
-    read = claim_index_entries_read() - before
+    read = index_entries_read("job_claim") - before
     # The probe walks past the 200 (and stops at the first queued job); the
     # pick starts there.
     assert 200 <= read < 230
