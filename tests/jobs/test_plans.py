@@ -75,6 +75,16 @@ def test_a_new_connection_keeps_generic_plans_only_when_statements_are_prepared(
         assert mode() == "auto"
 
 
+def analyze(*tables: str, replan: bool = False) -> None:
+    """Statistics of ``tables`` taken now; with ``replan``, this session's
+    prepared statements dropped, so that each is planned again for them."""
+    with connection.cursor() as cursor:
+        for table in tables:
+            cursor.execute(f"ANALYZE {table}")
+        if replan:
+            cursor.execute("DEALLOCATE ALL")
+
+
 def rows_read(table: str) -> int:
     """Rows of ``table`` this transaction has read, by scans and indexes."""
     with connection.cursor() as cursor:
@@ -112,9 +122,7 @@ def test_a_claim_walks_the_claim_index_in_order_whatever_the_queue(
     a batch of a million queued jobs, a million)."""
     make_batch(1_000, name="big")
     finish(worker, 500)  # a batch half done, as most are for most of their life
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE jobs_job")
-        cursor.execute("ANALYZE batches_batch")
+    analyze("jobs_job", "batches_batch")
     for _ in range(3):  # prepared, and planned the one time it will be
         assert claim(worker, labels, many)
 
@@ -135,11 +143,8 @@ def batches_read_by_a_charged_claim(worker, *, ahead: int, queued: int) -> int:
             make_batch(1, name=f"h100-{n}"), {"gpu": "h100"}, now=T0
         )
     served = [make_batch(queued, name=f"a100-{n}") for n in range(2)]
-    with connection.cursor() as cursor:
-        # Planned for these tables, as they are now.
-        for table in ("batches_batch", "batches_batchitem", "jobs_job", "jobs_lease"):
-            cursor.execute(f"ANALYZE {table}")
-        cursor.execute("DEALLOCATE ALL")
+    # Planned for these tables, as they are now.
+    analyze("batches_batch", "batches_batchitem", "jobs_job", "jobs_lease", replan=True)
     for _ in range(3):  # prepared, and planned the one time it will be
         assert transitions.claim_next(worker, labels=LABELS, now=T0) is not None
 
@@ -199,16 +204,12 @@ def fleet(worker, other_worker, *, quiet_statistics=False) -> None:
     live (as after a quiet night)."""
     make_batch(2_000, name="fleet")
     finish(worker, 1_000)
-    with connection.cursor() as cursor:
-        if quiet_statistics:
-            cursor.execute("ANALYZE jobs_lease")
-        for _ in range(200):
-            assert transitions.claim_next(other_worker, now=T0, max_leases=1_000)
-        for table in ("jobs_job", "batches_batchitem"):
-            cursor.execute(f"ANALYZE {table}")
-        if not quiet_statistics:
-            cursor.execute("ANALYZE jobs_lease")
-        cursor.execute("DEALLOCATE ALL")
+    if quiet_statistics:
+        analyze("jobs_lease")
+    for _ in range(200):
+        assert transitions.claim_next(other_worker, now=T0, max_leases=1_000)
+    now_live = () if quiet_statistics else ("jobs_lease",)
+    analyze("jobs_job", "batches_batchitem", *now_live, replan=True)
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["one", "many"])
@@ -279,9 +280,7 @@ def test_a_claim_walks_past_the_jobs_claimed_before_it_once(worker, many):
     and then its pick walked past them all again."""
     make_batch(400, name="big")
     finish(worker, 200)
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE jobs_job")
-        cursor.execute("ANALYZE batches_batch")
+    analyze("jobs_job", "batches_batch")
     before = index_entries_read("job_claim")
     assert claim(worker, None, many) == (8 if many else 1)
     read = index_entries_read("job_claim") - before
@@ -300,15 +299,11 @@ def test_a_heartbeat_or_completion_reads_its_own_job_only(worker, call):
     that index alone, ``status = 'leased'`` led it to walk every leased job
     of the fleet instead."""
     make_batch(400, name="many-gpus")
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE jobs_job")
+    analyze("jobs_job")
     mine = [
         transitions.claim_next(worker, now=T0, max_leases=1_000) for _ in range(200)
     ]
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE batches_batchitem")
-        cursor.execute("ANALYZE jobs_lease")
-        cursor.execute("DEALLOCATE ALL")
+    analyze("batches_batchitem", "jobs_lease", replan=True)
 
     def once(job) -> None:
         if call == "heartbeat":
