@@ -2,6 +2,7 @@ from datetime import timedelta
 
 import pytest
 
+from api.worker_views import claimed
 from batches.models import Batch, BatchItem, ItemStatus
 from engine.sweep import sweep
 from jobs import transitions
@@ -286,6 +287,50 @@ def test_a_claimed_job_carries_the_times_the_orm_reads(worker, batch):
         stored.item.created_at,
         stored.item.created_at.tzinfo,
     )
+
+
+# The job's fields a claim writes (the others it leaves as they were).
+CLAIM_WRITES_JOB = {
+    "status",
+    "lease_token",
+    "leased_by_id",
+    "lease_expires_at",
+    "heartbeat_at",
+    "attempts",
+    "updated_at",
+}
+
+
+def test_a_claimed_job_reads_every_field_as_stored_and_answers_without_a_query(
+    worker, batch, django_assert_num_queries
+):
+    """The statement backend returns only the fields the claim checks and the
+    worker is handed (``statements.CLAIMED_JOB_FIELDS``): the claim's answer
+    needs no query more, and every field the claim does not write reads as
+    stored (from the database, if asked for)."""
+    first = jobs_of(batch)[0]
+    Job.objects.filter(pk=first.pk).update(
+        last_error="gpu fell off the bus", requires={"gpu": "a100"}
+    )
+
+    job = transitions.claim_next(worker, labels={"gpu": "a100"})
+
+    with django_assert_num_queries(0):
+        answer = claimed(job)
+    assert answer["job"]["item"]["source"] == job.item.source
+    assert answer["job"]["batch"] == {"id": batch.pk, "name": batch.name}
+    stored = Job.objects.select_related("item").get(pk=job.pk)
+    for model, mine, theirs, written in (
+        (Job, job, stored, CLAIM_WRITES_JOB),
+        (BatchItem, job.item, stored.item, {"status", "updated_at"}),
+    ):
+        for field in model._meta.concrete_fields:
+            if field.attname not in written:
+                assert getattr(mine, field.attname) == getattr(theirs, field.attname), (
+                    model.__name__,
+                    field.attname,
+                )
+    assert (job.last_error, job.requires) == ("gpu fell off the bus", {"gpu": "a100"})
 
 
 def test_a_claim_by_a_worker_disabled_after_authentication_leases_nothing(

@@ -104,9 +104,6 @@ def plan_once(*, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
             cursor.execute("SET plan_cache_mode = force_generic_plan")
 
 
-JOB_FIELDS = Job._meta.concrete_fields
-ITEM_FIELDS = BatchItem._meta.concrete_fields
-
 # A statement's lease insert met an open ledger row committed after its snapshot.
 RACED = object()
 
@@ -402,10 +399,15 @@ class PostgresBackend(OrmBackend):
             return RACED
 
     def _leased(self, row: Any, worker: Worker, token: str) -> tuple[Job, bool]:
-        """The job a claim statement picked, as the claim left it (if True)."""
-        n, m = len(JOB_FIELDS), len(ITEM_FIELDS)
-        job = self._from_db(Job, row[:n])
-        job.item = item = self._from_db(BatchItem, row[n : n + m])
+        """The job a claim statement picked, as the claim left it (if True),
+        with its item and batch: the fields the statement returns
+        (``statements.CLAIMED_JOB_FIELDS``...) and those the claim wrote; the
+        others, which no claim changes, deferred."""
+        n, m = len(statements.CLAIMED_JOB_FIELDS), len(statements.CLAIMED_ITEM_FIELDS)
+        job = self._from_db(Job, row[:n], statements.CLAIMED_JOB_FIELDS)
+        item = self._from_db(BatchItem, row[n : n + m], statements.CLAIMED_ITEM_FIELDS)
+        item.batch_id = job.batch_id
+        job.item = item
         batch_name, stray_lease, at, expires = row[n + m :]
         job.batch = self._partial(Batch, id=job.batch_id, name=batch_name)
         if item.status != ItemStatus.QUEUED or stray_lease:
@@ -688,10 +690,17 @@ class PostgresBackend(OrmBackend):
         with savepoint, self.connection.wrap_database_errors:
             cursor.execute(text, [params[n] for n in names], prepare=self.prepare)
 
-    def _from_db(self, model: type[Model], values: Sequence[Any]) -> Any:
-        """A model instance from a row of its concrete columns, as the ORM builds
-        it (``from_db`` plus the fields' converters: JSON arrives as text)."""
-        attnames, converters = _columns(model)
+    def _from_db(
+        self,
+        model: type[Model],
+        values: Sequence[Any],
+        fields: tuple[str, ...] | None = None,
+    ) -> Any:
+        """A model instance from a row of its concrete columns (or of those of
+        ``fields``, in the model's order: the others deferred), as the ORM
+        builds it (``from_db`` plus the fields' converters: JSON arrives as
+        text)."""
+        attnames, converters = _columns(model, fields)
         if len(values) != len(attnames):
             raise ValueError(f"{len(values)} values for {len(attnames)} columns")
         row = list(values)
@@ -752,10 +761,15 @@ _PLAIN_DESCRIPTORS = (DeferredAttribute, ForeignKeyDeferredAttribute)
 
 
 @functools.cache
-def _columns(model: type[Model]) -> tuple[list[str], list[tuple[int, Any]]]:
-    """A model's concrete columns in order (attnames), and the converter of each
-    column that has one (its index and ``from_db_value``), found once."""
-    fields = model._meta.concrete_fields
+def _columns(
+    model: type[Model], only: tuple[str, ...] | None = None
+) -> tuple[list[str], list[tuple[int, Any]]]:
+    """A model's concrete columns in order (attnames; those of fields ``only``,
+    if given, which must come in the model's order), and the converter of
+    each column that has one (its index and ``from_db_value``), found once."""
+    fields = [f for f in model._meta.concrete_fields if only is None or f.name in only]
+    if only is not None and tuple(f.name for f in fields) != only:
+        raise ValueError(f"{only} are not {model.__name__}'s fields in its order")
     converters = [
         (i, _json_reader(f) if isinstance(f, JSONField) else f.from_db_value)
         for i, f in enumerate(fields)

@@ -21,6 +21,7 @@ clock (``{now}``: the caller's instant, or the database's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from django.db.models import Model
@@ -63,11 +64,11 @@ class Table:
             raise AttributeError(f"{self._meta.db_table}.{field} has no column")
         return str(column)
 
-    def columns(self, alias: str, prefix: str) -> str:
-        """Every concrete column as ``alias.col AS prefix_col``."""
+    def columns(self, alias: str, prefix: str, fields: Sequence[str]) -> str:
+        """The columns of ``fields`` as ``alias.col AS prefix_col``."""
         return ", ".join(
-            f"{alias}.{f.column} AS {prefix}{f.column}"
-            for f in self._meta.concrete_fields
+            f"{alias}.{getattr(self, field)} AS {prefix}{getattr(self, field)}"
+            for field in fields
         )
 
 
@@ -404,6 +405,16 @@ _CLEAN_MANY = sql(
 )
 
 
+# The job's and its item's fields a claim statement reads and returns: what
+# its own checks and writes need and what the worker is handed
+# (``api.worker_views.claimed``). The claim changes none of the others, which
+# the instances it gives read from the database if ever asked for (deferred).
+# Every column more is carried through each node of the claim's plan and its
+# CTEs, set up on every execution, and read by the app.
+CLAIMED_JOB_FIELDS = ("id", "item", "batch", "attempts", "max_attempts", "created_at")
+CLAIMED_ITEM_FIELDS = ("id", "source", "params", "duration_ms", "status")
+
+
 def _claim(
     *,
     prelude: str,
@@ -516,8 +527,8 @@ def _claim(
         batch_id=batch_id,
         charge_share=CHARGE,
         charge=charge,
-        job_columns=NAMES["job"].columns("j", "j_"),
-        item_columns=NAMES["item"].columns("i", "i_"),
+        job_columns=NAMES["job"].columns("j", "j_", CLAIMED_JOB_FIELDS),
+        item_columns=NAMES["item"].columns("i", "i_", CLAIMED_ITEM_FIELDS),
         claimable=CLAIMABLE,
         serves=SERVES,
         job_serves=JOB_SERVES,
