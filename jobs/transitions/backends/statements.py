@@ -436,8 +436,9 @@ def _claim(
     the worker is disabled (``recall_claim_turn``, migrations 0013 and 0014: a
     count read in this statement's own snapshot would be stale by the time the
     turn came). Returns the job's
-    and item's columns as they were, the batch's name, whether such a stray
-    ledger row exists, and the lease's times.
+    and item's ``CLAIMED_JOB_FIELDS`` and ``CLAIMED_ITEM_FIELDS`` as they
+    were, the batch's name, whether such a stray ledger row exists, and the
+    lease's times.
 
     The batch's row is read once, by subqueries that do not depend on the job
     (its checks a one-time filter, its name a value), never joined to the
