@@ -17,7 +17,17 @@ MAX_TOKEN_LENGTH = 256
 
 
 def new_worker_token() -> str:
-    return secrets.token_urlsafe(32)
+    """A new worker token: 32 random bytes, URL-safe, never starting with "-".
+
+    One token in 64 would otherwise begin with a dash, and a command line
+    that gives it as the value of an option (``recall_worker.py --token
+    TOKEN``) would then read it as an option of its own and refuse to start.
+    Drawing again costs one character of the first 64 nothing worth
+    counting (log2 64/63 bits)."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if not token.startswith("-"):
+            return token
 
 
 def new_lease_token() -> str:
