@@ -17,6 +17,7 @@ import pytest
 from api import worker_limits
 from batches.models import Batch
 from jobs.models import Worker
+from jobs.transitions import choice
 from tests.support.factories import (
     T0,
     WorkerClient,
@@ -50,6 +51,14 @@ def _fresh_worker_limits():
     """Each test starts with no request counted and no claim waiting for any
     worker (ids repeat across tests: counts must not)."""
     worker_limits.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_transition_backends():
+    """Each test's claims start as a new process's would: a connection's
+    backend keeps what its claims learned (which label sets claim without a
+    rival batch), and the test database's connection outlives the test."""
+    choice.forget()
 
 
 @pytest.fixture(autouse=True)

@@ -47,8 +47,15 @@ def backend(using: str = DEFAULT_DB_ALIAS) -> TransitionBackend:
         return chosen
 
 
+def forget() -> None:
+    """Drop every connection's backend and what it kept (its cursor, the label
+    sets it found claiming without a rival): the next use builds a new one.
+    Tests start each from here, as a new process would."""
+    _chosen.clear()
+
+
 @receiver(setting_changed)
 def _forget(*, setting: str, **kwargs: Any) -> None:
     # Tests switch backends with override_settings.
     if setting in ("RECALL_TRANSITIONS_BACKEND", "RECALL_PREPARED_STATEMENTS"):
-        _chosen.clear()
+        forget()

@@ -10,6 +10,8 @@ from django.db import connection, connections
 from django.test import override_settings
 
 from jobs import transitions
+from jobs.transitions.backends import statements
+from jobs.transitions.backends.postgres import native
 from tests.support.factories import T0, make_batch
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
@@ -56,6 +58,37 @@ def test_claims_and_completions_with_labels_are_never_planned_again(worker):
     assert claims == 30
     # Every execution ran the one generic plan: none was planned with its values.
     assert {text[:40]: custom for text, (_, custom) in after.items() if custom} == {}
+
+
+def runs(name: str) -> int:
+    """Executions of the statement backend's statement ``name`` in this session."""
+    text = native(getattr(statements, name))[0].decode()
+    return sum(g + c for found, (g, c) in plans().items() if found == text)
+
+
+def test_a_claim_without_a_rival_batch_runs_the_lean_statement(worker):
+    """Each execution sets up every node of its plan, whether it runs them
+    or not: CLAIM_FIRST's walk for a free share and its charge of the
+    batch's share are a third of its plan, and a claim from a batch without
+    a rival (the only open batch, or the only one of its priority) needs
+    neither. Once a claim for these labels found no rival, the next one
+    takes CLAIM_SOLO; once that finds a rival, it writes nothing and the
+    claim charges shares again, taking the jobs CLAIM_FIRST alone would."""
+    alone = make_batch(6, name="alone")
+    charged = alone.virtual_time
+    for _ in range(3):
+        assert transitions.claim_next(worker, now=T0).batch_id == alone.pk
+    assert (runs("CLAIM_FIRST"), runs("CLAIM_SOLO")) == (1, 2)
+    alone.refresh_from_db()
+    assert alone.virtual_time == charged  # no rival: no share to charge
+
+    rival = make_batch(6, name="rival")
+    taken = [transitions.claim_next(worker, now=T0).batch_id for _ in range(4)]
+    assert taken == [alone.pk, rival.pk, alone.pk, rival.pk]
+    # The first of the four tried CLAIM_SOLO, which found the rival.
+    assert (runs("CLAIM_FIRST"), runs("CLAIM_SOLO")) == (5, 3)
+    alone.refresh_from_db()
+    assert alone.virtual_time > charged
 
 
 def test_a_new_connection_keeps_generic_plans_only_when_statements_are_prepared():

@@ -107,6 +107,10 @@ def plan_once(*, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
 # A statement's lease insert met an open ledger row committed after its snapshot.
 RACED = object()
 
+# At most this many label sets are remembered as claiming without a rival (a
+# set beyond them claims with CLAIM_FIRST, as before any claim).
+LABEL_SETS = 64
+
 
 @functools.cache
 def native(sql: str) -> tuple[bytes, tuple[str, ...]]:
@@ -142,6 +146,9 @@ class PostgresBackend(OrmBackend):
         self.prepare = settings.RECALL_PREPARED_STATEMENTS
         # _cursor()'s cursor, kept for as long as its database connection lasts.
         self._raw_cursor: psycopg.RawCursor[Any] | None = None
+        # The label sets (as claims send them) whose last claim found its first
+        # batch without a rival: their next claim tries CLAIM_SOLO first.
+        self._alone: set[str] = set()
 
     # --- Workers ----------------------------------------------------------------
 
@@ -209,17 +216,29 @@ class PostgresBackend(OrmBackend):
     ) -> Job | None:
         # Most claims: nothing to do first, and the first batch with work has a
         # job free, or no batch has work. One statement (atomic by itself),
-        # which takes the worker's turn and checks its cap too.
+        # which takes the worker's turn and checks its cap too: CLAIM_SOLO,
+        # the leaner, while the last claim for these labels found no rival
+        # batch; CLAIM_FIRST, which charges fair shares, once one did.
         token = new_lease_token()
+        params = {
+            **self._claim_params(worker, labels, token, now, max_leases),
+            "cancel_grace": CANCEL_GRACE,
+        }
+        key = params["labels"]
+        solo = key in self._alone
         row = self._claim_row(
-            statements.CLAIM_FIRST,
-            {
-                **self._claim_params(worker, labels, token, now, max_leases),
-                "cancel_grace": CANCEL_GRACE,
-            },
+            statements.CLAIM_SOLO if solo else statements.CLAIM_FIRST, params
         )
         if row is not RACED:
-            expired, cancelling, first_batch, at, held, *picked = row
+            rival = row[5]
+            if rival:
+                self._alone.discard(key)
+                if solo:  # it wrote nothing: claim with the one that charges
+                    row = self._claim_row(statements.CLAIM_FIRST, params)
+            elif len(self._alone) < LABEL_SETS:
+                self._alone.add(key)
+        if row is not RACED:
+            expired, cancelling, first_batch, at, held, _, *picked = row
             if held is not None:
                 self._check_turn(worker, held, max_leases)
             if picked[0] is not None:  # a job row joined

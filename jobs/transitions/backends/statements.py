@@ -349,8 +349,8 @@ JOB_SERVES = sql("(j.{job.requires} = '{{}}' OR j.{job.requires} <@ %(labels)s::
 # snapshot sees it (see ``_claim``'s ``start``).
 def candidates(*, unless: str = "true") -> str:
     return sql(
-        """SELECT b.{batch.id} AS id, b.{batch.priority} AS priority,
-        b.{batch.virtual_time} AS virtual_time,
+        """SELECT b.{batch.id} AS id, b.{batch.name} AS name,
+        b.{batch.priority} AS priority, b.{batch.virtual_time} AS virtual_time,
         b.{batch.max_in_flight} IS NOT NULL AS capped,
         claimable.{job.created_at} AS job_created_at, claimable.{job.id} AS job_id
     FROM {batch} b
@@ -428,9 +428,10 @@ def _claim(
 ) -> str:
     """queued -> leased for the oldest claimable job of batch ``batch_id`` (SKIP
     LOCKED), if the worker's labels serve the batch (``SERVES``: checked again
-    here, as its requirements may have changed since it was chosen), its item
-    agrees and no ledger row of an earlier lease was left
-    open, and the worker holds fewer than ``%(cap)s`` live leases; the claim is
+    here when an earlier statement chose it, as its requirements may have
+    changed since; a batch the prelude chose, ``start``, was checked there in
+    this statement), its item agrees and no ledger row of an earlier lease
+    was left open, and the worker holds fewer than ``%(cap)s`` live leases; the claim is
     charged to the batch's share if ``charge``. The prelude defines ``turn``:
     the worker's live leases, counted after its turn to claim came, or -1 if
     the worker is disabled (``recall_claim_turn``, migrations 0013 and 0014: a
@@ -475,23 +476,16 @@ def _claim(
     single = token == "%(token)s"
     return sql(
         """WITH {prelude} pick AS (
-        SELECT {job_columns}, {item_columns},
-            (SELECT b.{batch.name} FROM {batch} b WHERE b.{batch.id} = {batch_id})
-                AS batch_name,
+        SELECT {job_columns}, {item_columns}, {batch_name} AS batch_name,
             COALESCE((SELECT true FROM {lease} l
                       WHERE l.{lease.job} = j.{job.id} AND l.{lease.ended_at} IS NULL),
                 false) AS stray_lease,
             {now} AS at, {now} + {lease_seconds} AS expires
         FROM {job} j
         JOIN {item} i ON i.{item.id} = j.{job.item}
-        WHERE j.{job.batch} = {batch_id} AND {claimable}
-          AND EXISTS (
-            SELECT 1 FROM {batch} b WHERE b.{batch.id} = {batch_id}
-              AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
-              AND {serves}
-          )
+        WHERE j.{job.batch} = {batch_id} AND {claimable}{batch_open}
           AND {job_serves}{start}
-          AND (SELECT held FROM turn) BETWEEN 0 AND %(cap)s::bigint - 1
+          AND (SELECT held BETWEEN 0 AND %(cap)s::bigint - 1 FROM turn)
         ORDER BY j.{job.created_at}, j.{job.id} LIMIT {limit}
         FOR NO KEY UPDATE OF j, i SKIP LOCKED
     ), clean AS (
@@ -519,19 +513,25 @@ def _claim(
             {lease.expires_at}, {lease.error})
         SELECT id, %(worker)s, {opened_token}, attempts, at, at, expires, ''
         FROM job{opened_order}
-    ), charged AS (
-        {charge_share} FROM clean
-        WHERE {batch}.{batch.id} = clean.j_{job.batch} AND {charge}
-    )
+    ){charged}
     {result}""",
         prelude=prelude,
         batch_id=batch_id,
-        charge_share=CHARGE,
-        charge=charge,
+        # A statement that never charges has no update of the batch in its
+        # plan: every node of a plan is set up on each execution, rows or none.
+        charged=""
+        if charge == "false"
+        else sql(
+            """, charged AS (
+        {charge_share} FROM clean
+        WHERE {batch}.{batch.id} = clean.j_{job.batch} AND {charge}
+    )""",
+            charge_share=CHARGE,
+            charge=charge,
+        ),
         job_columns=NAMES["job"].columns("j", "j_", CLAIMED_JOB_FIELDS),
         item_columns=NAMES["item"].columns("i", "i_", CLAIMED_ITEM_FIELDS),
         claimable=CLAIMABLE,
-        serves=SERVES,
         job_serves=JOB_SERVES,
         shift=shift_one(
             "moves", (ITEM_FOR[JobStatus.QUEUED], ITEM_FOR[JobStatus.LEASED])
@@ -547,12 +547,35 @@ def _claim(
         returned=""
         if single
         else sql(",\n            {job}.{job.lease_token} AS token"),
+        # A batch chosen by an earlier statement is read again: it may have
+        # been paused, cancelled or given other requirements since. One chosen
+        # by this statement's own prelude (``start``: ``candidates``, in this
+        # snapshot, or locked at its latest version and checked again) comes
+        # with its name and was found open to the worker there.
+        batch_name=sql(
+            "(SELECT b.{batch.name} FROM {batch} b WHERE b.{batch.id} = {batch_id})",
+            batch_id=batch_id,
+        )
+        if start is None
+        else f"(SELECT name FROM {start})",
+        batch_open=sql(
+            """
+          AND EXISTS (
+            SELECT 1 FROM {batch} b WHERE b.{batch.id} = {batch_id}
+              AND b.{batch.paused_at} IS NULL AND b.{batch.cancelled_at} IS NULL
+              AND {serves}
+          )""",
+            batch_id=batch_id,
+            serves=SERVES,
+        )
+        if start is None
+        else "",
         start=""
         if start is None
         else sql(
             """
           AND (j.{job.created_at}, j.{job.id}) >= (
-              (SELECT job_created_at FROM {start}), (SELECT job_id FROM {start}))""",
+              SELECT job_created_at, job_id FROM {start})""",
             start=start,
         ),
         opened_token="%(token)s" if single else "token",
@@ -574,11 +597,27 @@ CLAIM = _claim(
 )
 
 
+# The chores, the first open batch in claim order the worker can serve (``head``,
+# with its cap) and whether another batch of its priority has work too
+# (``rival``): how every claim statement that chooses its batch begins.
+HEAD = f"""chores AS (
+        SELECT {CHORES}
+    ), top AS (
+        {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
+        LIMIT 2
+    ), head AS (
+        SELECT * FROM top ORDER BY priority DESC, virtual_time, id LIMIT 1
+    ), rival AS (
+        SELECT EXISTS (
+            SELECT 1 FROM top, head
+            WHERE top.id <> head.id AND top.priority = head.priority
+        ) AS found
+    ),"""
+
+
 def first_batch(*, skip_charged: bool) -> str:
-    """The chores, the first open batch in claim order the worker can serve
-    (``head``, with its cap), whether another batch of its priority has work
-    too (``rival``) and the batch the claim takes its job from (``first``):
-    how CLAIM_FIRST and CLAIM_MANY both begin.
+    """``HEAD``, then the batch the claim takes its job from (``first``): how
+    CLAIM_FIRST and CLAIM_MANY both begin.
 
     A claim with a rival is charged to its batch's share, an update of the
     batch's row held to the claim's commit. Claims that start together all
@@ -607,19 +646,7 @@ def first_batch(*, skip_charged: bool) -> str:
         if skip_charged
         else "SELECT * FROM head WHERE (SELECT found FROM rival)"
     )
-    return f"""chores AS (
-        SELECT {CHORES}
-    ), top AS (
-        {candidates(unless="NOT (SELECT expired OR cancelling FROM chores)")}
-        LIMIT 2
-    ), head AS (
-        SELECT * FROM top ORDER BY priority DESC, virtual_time, id LIMIT 1
-    ), rival AS (
-        SELECT EXISTS (
-            SELECT 1 FROM top, head
-            WHERE top.id <> head.id AND top.priority = head.priority
-        ) AS found
-    ), free AS (
+    return f"""{HEAD} free AS (
         {free}
     ), first AS (
         SELECT * FROM head WHERE NOT (SELECT found FROM rival)
@@ -628,15 +655,25 @@ def first_batch(*, skip_charged: bool) -> str:
     ),"""
 
 
+# What CLAIM_FIRST and CLAIM_SOLO return before the job: the chores' flags, the
+# first batch, the statement's instant, the worker's live leases as its turn
+# counted them (NULL when not taken) and whether the first batch has a rival.
+_FIRST_RESULT = sql(
+    "SELECT chores.*, (SELECT id FROM head), {now} AS at, "
+    "(SELECT held FROM turn), (SELECT found FROM rival), pick.* "
+    "FROM chores LEFT JOIN pick ON true"
+)
+
 # The common case in one statement: nothing to do first, and the first open
 # batch in claim order is uncapped and has a job no other claim holds. Returns
-# the chores' flags, the first batch, the statement's instant, and the job as
-# CLAIM does if there was one (else NULLs): when there is none the caller takes
-# the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also covers
-# chores, capped batches, and taken or drifted rows. The claim is charged to
-# the batch's share when a second open batch of its priority has work too. The
-# worker's turn is taken only when there is such a batch (an idle claim takes
-# no lock); its count is returned after the first batch (NULL when not taken).
+# the chores' flags, the first batch, the statement's instant, the worker's
+# live leases, whether the batch has a rival (``_FIRST_RESULT``), and the job
+# as CLAIM does if there was one (else NULLs): when there is none the caller
+# takes the long way (CLAIM_PLAN, then CLAIM per candidate batch), which also
+# covers chores, capped batches, and taken or drifted rows. The claim is
+# charged to the batch's share when a second open batch of its priority has
+# work too. The worker's turn is taken only when there is such a batch (an
+# idle claim takes no lock).
 CLAIM_FIRST = _claim(
     prelude=first_batch(skip_charged=True)
     + f""" chosen AS (
@@ -647,10 +684,27 @@ CLAIM_FIRST = _claim(
     batch_id="(SELECT id FROM chosen)",
     start="chosen",
     charge="(SELECT found FROM rival)",
-    result=sql(
-        "SELECT chores.*, (SELECT id FROM head), {now} AS at, "
-        "(SELECT held FROM turn), pick.* FROM chores LEFT JOIN pick ON true"
-    ),
+    result=_FIRST_RESULT,
+)
+
+# CLAIM_FIRST for a first batch without a rival, the whole plan of a claim
+# from a queue of one open batch (or of one per priority): there is no share
+# to charge, so the plan has neither the walk for a free share nor the
+# batch's update, which CLAIM_FIRST sets up on every execution whether it
+# runs them or not (a third of its plan's nodes). When the first batch has a
+# rival it writes nothing and says so (``_FIRST_RESULT``): the caller then
+# claims with CLAIM_FIRST. Otherwise it claims exactly as CLAIM_FIRST does.
+CLAIM_SOLO = _claim(
+    prelude=HEAD
+    + f""" chosen AS (
+        SELECT * FROM head WHERE NOT capped AND NOT (SELECT found FROM rival)
+    ), turn AS (
+        SELECT {TURN} AS held FROM chosen
+    ),""",
+    batch_id="(SELECT id FROM chosen)",
+    start="chosen",
+    charge="false",
+    result=_FIRST_RESULT,
 )
 
 # Many jobs in one statement (a claim of ``%(n)s`` jobs, ``max_jobs``), when that
