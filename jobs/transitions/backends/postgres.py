@@ -111,6 +111,10 @@ RACED = object()
 # set beyond them claims with CLAIM_FIRST, as before any claim).
 LABEL_SETS = 64
 
+# The column of CLAIM_FIRST's and CLAIM_SOLO's row that says whether the first
+# batch has a rival (``statements._FIRST_RESULT``).
+FIRST_RIVAL = 5
+
 
 @functools.cache
 def native(sql: str) -> tuple[bytes, tuple[str, ...]]:
@@ -220,23 +224,12 @@ class PostgresBackend(OrmBackend):
         # the leaner, while the last claim for these labels found no rival
         # batch; CLAIM_FIRST, which charges fair shares, once one did.
         token = new_lease_token()
-        params = {
-            **self._claim_params(worker, labels, token, now, max_leases),
-            "cancel_grace": CANCEL_GRACE,
-        }
-        key = params["labels"]
-        solo = key in self._alone
-        row = self._claim_row(
-            statements.CLAIM_SOLO if solo else statements.CLAIM_FIRST, params
+        row = self._claim_first(
+            {
+                **self._claim_params(worker, labels, token, now, max_leases),
+                "cancel_grace": CANCEL_GRACE,
+            }
         )
-        if row is not RACED:
-            rival = row[5]
-            if rival:
-                self._alone.discard(key)
-                if solo:  # it wrote nothing: claim with the one that charges
-                    row = self._claim_row(statements.CLAIM_FIRST, params)
-            elif len(self._alone) < LABEL_SETS:
-                self._alone.add(key)
         if row is not RACED:
             expired, cancelling, first_batch, at, held, _, *picked = row
             if held is not None:
@@ -250,6 +243,26 @@ class PostgresBackend(OrmBackend):
             now = at  # the long way uses the statement's instant
         # The long way: the ORM backend's, through the hooks below.
         return super().claim_next(worker, labels=labels, now=now, max_leases=max_leases)
+
+    def _claim_first(self, params: dict[str, Any]) -> Any:
+        """The row of CLAIM_SOLO while the last claim for these labels found
+        no rival batch, else of CLAIM_FIRST (also when CLAIM_SOLO finds one:
+        it wrote nothing), or RACED; the label set is remembered by what the
+        statement found."""
+        labels = params["labels"]
+        solo = labels in self._alone
+        row = self._claim_row(
+            statements.CLAIM_SOLO if solo else statements.CLAIM_FIRST, params
+        )
+        if row is RACED:
+            return row
+        if row[FIRST_RIVAL]:
+            self._alone.discard(labels)
+            if solo:
+                return self._claim_row(statements.CLAIM_FIRST, params)
+        elif len(self._alone) < LABEL_SETS:
+            self._alone.add(labels)
+        return row
 
     def claim_many(
         self,
