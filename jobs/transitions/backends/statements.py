@@ -615,15 +615,15 @@ HEAD = f"""chores AS (
     ),"""
 
 
-def first_batch(*, skip_charged: bool) -> str:
+def first_batch() -> str:
     """``HEAD``, then the batch the claim takes its job from (``first``): how
-    CLAIM_FIRST and CLAIM_MANY both begin.
+    CLAIM_FIRST begins.
 
     A claim with a rival is charged to its batch's share, an update of the
     batch's row held to the claim's commit. Claims that start together all
     find the same least virtual time, and each would queue on that row
     behind the one before (with a thousand open batches, a third of the busy
-    backends did). With ``skip_charged`` such a claim walks the candidates of
+    backends did). So such a claim walks the candidates of
     the head's priority again, in claim order from the head on (none before
     it is a candidate, and a batch the worker cannot serve may stand before
     it hundreds of times over), locking the row it stops at and stepping
@@ -643,8 +643,6 @@ def first_batch(*, skip_charged: bool) -> str:
             )
         )
         + "\n        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED"
-        if skip_charged
-        else "SELECT * FROM head WHERE (SELECT found FROM rival)"
     )
     return f"""{HEAD} free AS (
         {free}
@@ -653,6 +651,22 @@ def first_batch(*, skip_charged: bool) -> str:
         UNION ALL
         SELECT * FROM free
     ),"""
+
+
+def chosen(source: str, condition: str) -> str:
+    """The batch the claim takes its job from (``chosen``: the row of CTE
+    ``source`` where ``condition``) and the worker's turn, taken only when
+    there is such a batch (an idle claim takes no lock)."""
+    return f""" chosen AS (
+        SELECT * FROM {source} WHERE {condition}
+    ), turn AS (
+        SELECT {TURN} AS held FROM chosen
+    ),"""
+
+
+# The first batch when it is uncapped and has no rival, no share to charge:
+# how CLAIM_SOLO and CLAIM_MANY begin.
+UNRIVALLED = HEAD + chosen("head", "NOT capped AND NOT (SELECT found FROM rival)")
 
 
 # What CLAIM_FIRST and CLAIM_SOLO return before the job: the chores' flags, the
@@ -675,12 +689,7 @@ _FIRST_RESULT = sql(
 # work too. The worker's turn is taken only when there is such a batch (an
 # idle claim takes no lock).
 CLAIM_FIRST = _claim(
-    prelude=first_batch(skip_charged=True)
-    + f""" chosen AS (
-        SELECT * FROM first WHERE NOT capped
-    ), turn AS (
-        SELECT {TURN} AS held FROM chosen
-    ),""",
+    prelude=first_batch() + chosen("first", "NOT capped"),
     batch_id="(SELECT id FROM chosen)",
     start="chosen",
     charge="(SELECT found FROM rival)",
@@ -695,12 +704,7 @@ CLAIM_FIRST = _claim(
 # rival it writes nothing and says so (``_FIRST_RESULT``): the caller then
 # claims with CLAIM_FIRST. Otherwise it claims exactly as CLAIM_FIRST does.
 CLAIM_SOLO = _claim(
-    prelude=HEAD
-    + f""" chosen AS (
-        SELECT * FROM head WHERE NOT capped AND NOT (SELECT found FROM rival)
-    ), turn AS (
-        SELECT {TURN} AS held FROM chosen
-    ),""",
+    prelude=UNRIVALLED,
     batch_id="(SELECT id FROM chosen)",
     start="chosen",
     charge="false",
@@ -725,12 +729,7 @@ CLAIM_SOLO = _claim(
 # statement cannot take the jobs (chores, a capped first batch, a rival) it
 # writes nothing and the caller claims one job at a time.
 CLAIM_MANY = _claim(
-    prelude=first_batch(skip_charged=False)
-    + f""" chosen AS (
-        SELECT * FROM first WHERE NOT capped AND NOT (SELECT found FROM rival)
-    ), turn AS (
-        SELECT {TURN} AS held FROM chosen
-    ),""",
+    prelude=UNRIVALLED,
     batch_id="(SELECT id FROM chosen)",
     start="chosen",
     charge="false",
