@@ -92,10 +92,11 @@ MIDDLEWARE = [
     "recall_site.middleware.ReleaseBodyMiddleware",
     "recall_site.middleware.HealthCheckMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # The content security policy, static files, sessions, the logged-in
+    # user and flash messages serve the pages: the worker API's requests
+    # pass them by (recall_site/middleware.py, PagesOnly).
     "recall_site.middleware.ContentSecurityPolicyMiddleware",
-    "whitenoise.middleware.WhiteNoiseMiddleware",
-    # Sessions, the logged-in user and flash messages: Django's middlewares,
-    # which the worker API's requests pass by (recall_site/middleware.py).
+    "recall_site.middleware.StaticFilesMiddleware",
     "recall_site.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",

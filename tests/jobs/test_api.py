@@ -251,10 +251,11 @@ def test_csrf_does_not_apply_to_token_auth(worker):
 
 
 def test_answers_carry_the_sites_headers_and_never_a_cookie(worker, operator):
-    """The worker API passes the pages' session, user and message middlewares
-    by (recall_site/middleware.py): its answers are as they were, with the
-    site's security headers, and a logged-in operator's cookies change
-    nothing, while the pages keep their sessions."""
+    """The worker API passes the pages' content security policy, static
+    files, session, user and message middlewares by (recall_site/middleware.py):
+    its answers are as they were, with the site's security headers, and a
+    logged-in operator's cookies change nothing, while the pages keep their
+    sessions, their policy and their static files."""
     client = Client()
     client.force_login(operator)
     auth = {"HTTP_AUTHORIZATION": f"Bearer {worker.token}"}
@@ -276,10 +277,16 @@ def test_answers_carry_the_sites_headers_and_never_a_cookie(worker, operator):
             "Referrer-Policy", "X-Content-Type-Options", "X-Frame-Options",
         ]  # fmt: skip
         assert response.cookies == {}
+        passed_by = ("csp_nonce", "session", "user", "_messages")
+        assert [a for a in passed_by if hasattr(response.wsgi_request, a)] == []
     page = client.get("/workers/")
     assert page.status_code == 200
     assert page.wsgi_request.user == operator
     assert page.headers["Vary"] == "Cookie"
+    assert "script-src 'self'" in page.headers["Content-Security-Policy"]
+    script = client.get("/static/js/recall.js")
+    assert script.status_code == 200
+    assert b"".join(script.streaming_content).startswith(b"// Recall's only script")
 
 
 def test_tokens_are_stored_only_hashed(worker):
