@@ -250,12 +250,15 @@ def test_csrf_does_not_apply_to_token_auth(worker):
     assert response.status_code == 204
 
 
-def test_answers_carry_the_sites_headers_and_never_a_cookie(worker, operator):
+def test_answers_carry_the_sites_headers_and_never_a_cookie(worker, operator, settings):
     """The worker API passes the pages' content security policy, static
     files, session, user and message middlewares by (recall_site/middleware.py):
     its answers are as they were, with the site's security headers, and a
     logged-in operator's cookies change nothing, while the pages keep their
     sessions, their policy and their static files."""
+    # Static files from the source tree, as collectstatic would gather them
+    # (a fresh checkout has none collected).
+    settings.WHITENOISE_USE_FINDERS = True
     client = Client()
     client.force_login(operator)
     auth = {"HTTP_AUTHORIZATION": f"Bearer {worker.token}"}
