@@ -205,7 +205,7 @@ def test_a_charged_claim_walks_the_batches_ahead_of_its_own_once(worker):
     order to the first it can serve, past every one it cannot (here 300 that
     require a GPU the worker lacks, always ahead: nobody claims from them).
     Charged to its batch's share, it then looks for the first batch no other
-    claim holds (``statements.first_batch``): that second look starts at the
+    claim holds (``statements.FIRST_BATCH``): that second look starts at the
     head, where the first stopped. Walking from the start again it read the
     300 twice per claim (605 rows). Three hundred batches are enough for the
     plan to walk the batches in claim order whatever earlier tests left in

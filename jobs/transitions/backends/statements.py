@@ -615,37 +615,34 @@ HEAD = f"""chores AS (
     ),"""
 
 
-def first_batch() -> str:
-    """``HEAD``, then the batch the claim takes its job from (``first``): how
-    CLAIM_FIRST begins.
-
-    A claim with a rival is charged to its batch's share, an update of the
-    batch's row held to the claim's commit. Claims that start together all
-    find the same least virtual time, and each would queue on that row
-    behind the one before (with a thousand open batches, a third of the busy
-    backends did). So such a claim walks the candidates of
-    the head's priority again, in claim order from the head on (none before
-    it is a candidate, and a batch the worker cannot serve may stand before
-    it hundreds of times over), locking the row it stops at and stepping
-    over rows other claims hold (``free``: SKIP LOCKED): a
-    concurrent claim goes to the next share in line instead of waiting for
-    the first one's commit, as it would once that commit had moved the first
-    one back. One claim at a time finds no row held and takes exactly the
-    head. When every row is held, ``first`` is empty and the caller takes
-    the long way."""
-    free = (
-        candidates(
-            unless=sql(
-                "(SELECT found FROM rival) "
-                "AND b.{batch.priority} = (SELECT priority FROM head) "
-                "AND (b.{batch.virtual_time}, b.{batch.id}) "
-                ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
-            )
+# ``HEAD``, then the batch the claim takes its job from (``first``): how
+# CLAIM_FIRST begins.
+#
+# A claim with a rival is charged to its batch's share, an update of the
+# batch's row held to the claim's commit. Claims that start together all find
+# the same least virtual time, and each would queue on that row behind the one
+# before (with a thousand open batches, a third of the busy backends did). So
+# such a claim walks the candidates of the head's priority again, in claim
+# order from the head on (none before it is a candidate, and a batch the
+# worker cannot serve may stand before it hundreds of times over), locking the
+# row it stops at and stepping over rows other claims hold (``free``: SKIP
+# LOCKED): a concurrent claim goes to the next share in line instead of
+# waiting for the first one's commit, as it would once that commit had moved
+# the first one back. One claim at a time finds no row held and takes exactly
+# the head. When every row is held, ``first`` is empty and the caller takes
+# the long way.
+FIRST_BATCH = f"""{HEAD} free AS (
+        {
+    candidates(
+        unless=sql(
+            "(SELECT found FROM rival) "
+            "AND b.{batch.priority} = (SELECT priority FROM head) "
+            "AND (b.{batch.virtual_time}, b.{batch.id}) "
+            ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
         )
-        + "\n        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED"
     )
-    return f"""{HEAD} free AS (
-        {free}
+}
+        LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED
     ), first AS (
         SELECT * FROM head WHERE NOT (SELECT found FROM rival)
         UNION ALL
@@ -689,7 +686,7 @@ _FIRST_RESULT = sql(
 # work too. The worker's turn is taken only when there is such a batch (an
 # idle claim takes no lock).
 CLAIM_FIRST = _claim(
-    prelude=first_batch() + chosen("first", "NOT capped"),
+    prelude=FIRST_BATCH + chosen("first", "NOT capped"),
     batch_id="(SELECT id FROM chosen)",
     start="chosen",
     charge="(SELECT found FROM rival)",
