@@ -296,8 +296,9 @@ class Response(wsgi.Response):
 
     gunicorn sends the head in a write of its own, and on its sockets
     (``TCP_NODELAY``) that is a packet of its own: a worker API answer, a head
-    and a few hundred bytes of JSON, took two system calls here and two reads
-    by its client. The bytes on the wire are the same."""
+    and a few hundred bytes of JSON, took two system calls here (each giving
+    the GIL up and taking it back) and went to its client in two packets. The
+    bytes on the wire are the same."""
 
     def write(self, arg):
         if self.headers_sent or not isinstance(arg, bytes) or len(arg) > JOIN_BYTES:
