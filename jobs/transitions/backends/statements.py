@@ -631,17 +631,16 @@ HEAD = f"""chores AS (
 # the first one back. One claim at a time finds no row held and takes exactly
 # the head. When every row is held, ``first`` is empty and the caller takes
 # the long way.
-FIRST_BATCH = f"""{HEAD} free AS (
-        {
-    candidates(
-        unless=sql(
-            "(SELECT found FROM rival) "
-            "AND b.{batch.priority} = (SELECT priority FROM head) "
-            "AND (b.{batch.virtual_time}, b.{batch.id}) "
-            ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
-        )
+_FREE = candidates(
+    unless=sql(
+        "(SELECT found FROM rival) "
+        "AND b.{batch.priority} = (SELECT priority FROM head) "
+        "AND (b.{batch.virtual_time}, b.{batch.id}) "
+        ">= ((SELECT virtual_time FROM head), (SELECT id FROM head))"
     )
-}
+)
+FIRST_BATCH = f"""{HEAD} free AS (
+        {_FREE}
         LIMIT 1 FOR NO KEY UPDATE OF b SKIP LOCKED
     ), first AS (
         SELECT * FROM head WHERE NOT (SELECT found FROM rival)
